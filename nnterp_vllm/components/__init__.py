@@ -1,0 +1,26 @@
+"""What each standardized value means and how it is read and written; no family's names."""
+
+from .attention import INTERFACE, Attention, HeadOutputs, needs_eager
+from .layer import Layer
+from .mlp import Mlp
+from .standard import Layers, Standard
+from .values import FIRST, WHOLE, Delegate, Derived, Value, first_tensor, unavailable, values_of
+
+__all__ = [
+    "FIRST",
+    "INTERFACE",
+    "WHOLE",
+    "Attention",
+    "Delegate",
+    "Derived",
+    "HeadOutputs",
+    "Layer",
+    "Layers",
+    "Mlp",
+    "Standard",
+    "Value",
+    "first_tensor",
+    "needs_eager",
+    "unavailable",
+    "values_of",
+]

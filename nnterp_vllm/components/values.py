@@ -1,0 +1,242 @@
+"""The descriptor every standardized value is made of.
+
+A `Value` is nnsight's ``eproperty`` whose key is a *path* from the envoy that
+hosts it, so one descriptor serves a value wherever a family keeps it: on the
+host module, on a child or sibling module, or at an operation inside a forward.
+It can also say why it is unavailable on a given model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nnsight.intervention.envoy import Envoy
+from nnsight.intervention.eproperty import eproperty
+from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.util import first_input, replace_first_input
+
+from ..errors import UnavailableValue
+
+#: ``select`` for "the tensor": the whole value, or its first element when it is a tuple.
+FIRST = "<first>"
+#: ``select`` for the whole served value, untouched.
+WHOLE = None
+
+Reason = str | Callable[[Envoy], str | None] | None
+
+
+def first_tensor(value: Any) -> Any:
+    """The tensor of a module output: the first element when the module returns a tuple."""
+    return value[0] if isinstance(value, tuple) else value
+
+
+class Value(eproperty):
+    """A standardized value: a location relative to its host envoy, a selection in it, a reason it may be missing.
+
+    Args:
+        key: Where the value lives, from the host envoy: dotted segments ending in
+            ``output``, ``input`` (the first argument) or ``inputs`` (``(args,
+            kwargs)``). A segment is a child module (aliases included), ``source``
+            (the operations of that module's or operation's forward) or an
+            operation name; a leading ``../`` steps to the parent envoy.
+            ``{self.NAME}`` placeholders are filled from the host, so a component
+            can leave an operation name to the family (``"source.{self.INTERFACE}.inputs"``).
+        select: Which part of the served value: `FIRST` (the tensor, or the first
+            element of a tuple), `WHOLE`, an int (a positional argument of
+            ``inputs``, an index of a tuple ``output``) or a str (a keyword
+            argument of ``inputs``, an attribute of an ``output`` object). A write
+            puts the part back into the current value.
+        description: One line for the model's repr.
+        unavailable: A reason string, or a function of the host returning a reason
+            or ``None``. A reason makes reads and writes raise `UnavailableValue`.
+        writable: ``False`` for a derived, read-only value.
+    """
+
+    def __init__(
+        self,
+        key: str = "output",
+        *,
+        select: Any = FIRST,
+        description: str = "",
+        unavailable: Reason = None,
+        writable: bool = True,
+    ) -> None:
+        super().__init__(key=key, description=description)
+        self.select = select
+        self.unavailable = unavailable
+        self.writable = writable
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if self.name is None:
+            self.name = name
+
+    def __call__(self, preprocess: Callable) -> Value:
+        key = self.key
+        super().__call__(preprocess)
+        self.key = key
+        return self
+
+    # -- availability ---------------------------------------------------------
+
+    def reason(self, host: Envoy) -> str | None:
+        """Why this value is not available on ``host``, or ``None`` when it is."""
+        if callable(self.unavailable):
+            return self.unavailable(host)
+        return self.unavailable
+
+    def check(self, host: Envoy) -> None:
+        """Raise `UnavailableValue` when this value is not available on ``host``."""
+        try:
+            reason = self.reason(host)
+        except AttributeError as error:  # never let it fall through to Envoy.__getattr__
+            raise RuntimeError(f"the availability check of {self.name} on {host.path} failed: {error}") from error
+        if reason:
+            family = getattr(type(host), "__module__", "?").rsplit(".", 1)[-1]
+            raise UnavailableValue(f"{self.name} is not available on {host.path} (family {family!r}): {reason}")
+
+    # -- location -------------------------------------------------------------
+
+    def path(self, host: Envoy) -> str:
+        """The key with the host's placeholders filled in."""
+        return self.key.format(self=host) if "{" in self.key else self.key
+
+    def locate(self, host: Envoy) -> tuple[str, str]:
+        """The served location of this value on ``host`` and its last segment (``output``/``input``/``inputs``)."""
+        key = self.path(host)
+        node: Any = host
+        while key.startswith("../"):
+            node, key = node.parent, key[3:]
+        *walk, attribute = key.split(".")
+        for part in walk:
+            node = getattr(node, part)
+        served = "input" if attribute == "inputs" else attribute
+        return f"{node.path}.{served}", attribute
+
+    # -- selection ------------------------------------------------------------
+
+    def selection(self, host: Envoy) -> Any:
+        """The ``select`` in force on ``host`` (a function of the host is called)."""
+        return self.select(host) if callable(self.select) else self.select
+
+    def pick(self, attribute: str, raw: Any, select: Any) -> Any:
+        """The selected part of a served value."""
+        if attribute == "input":
+            return first_input(*raw)
+        if select is WHOLE:
+            return raw
+        if select == FIRST:
+            return first_tensor(raw)
+        if attribute == "inputs":
+            args, kwargs = raw
+            return kwargs[select] if isinstance(select, str) else args[select]
+        return getattr(raw, select) if isinstance(select, str) else raw[select]
+
+    def put(self, attribute: str, current: Any, part: Any, select: Any) -> Any:
+        """``current`` with the selected part replaced by ``part``."""
+        if attribute == "input":
+            return replace_first_input(*current, part)
+        if select is WHOLE:
+            return part
+        if select == FIRST:
+            return (part, *current[1:]) if isinstance(current, tuple) else part
+        if attribute == "inputs":
+            args, kwargs = current
+            if isinstance(select, str):
+                return args, {**kwargs, select: part}
+            args = list(args)
+            args[select] = part
+            return tuple(args), kwargs
+        if isinstance(select, str):
+            setattr(current, select, part)
+            if hasattr(current, "__setitem__") and not isinstance(current, tuple):
+                current[select] = part
+            return current
+        items = list(current)
+        items[select] = part
+        return tuple(items)
+
+    # -- read and write -------------------------------------------------------
+
+    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
+        if host is None:
+            return self
+        self.check(host)
+        location, attribute = self.locate(host)
+        value = self.pick(attribute, Mediator.value(location), self.selection(host))
+        if self._preprocess is not None:
+            value = self._preprocess(host, value)
+        return value
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        if not self.writable:
+            raise AttributeError(f"{self.name} is read-only: it is derived from other values; write those instead")
+        self.check(host)
+        if self._postprocess is not None:
+            value = self._postprocess(host, value)
+        location, attribute = self.locate(host)
+        select = self.selection(host)
+        if attribute == "input" or select is not WHOLE:
+            value = self.put(attribute, Mediator.value(location), value, select)
+        Mediator.swap(location, value)
+
+
+def unavailable(reason: str) -> Value:
+    """A value a family does not have, assigned in the class body in place of the inherited one."""
+    return Value(description=f"unavailable: {reason}", unavailable=reason)
+
+
+class Delegate(Value):
+    """A value read and written as another envoy's value: ``Delegate("self_attn", "attention_output")``."""
+
+    def __init__(self, child: str, name: str, *, description: str = "") -> None:
+        super().__init__(key=f"{child}.{name}", description=description)
+        self.child, self.target = child, name
+
+    def host_of(self, host: Envoy) -> Envoy | None:
+        """The envoy the value is delegated to, or ``None`` when the host has no such child."""
+        child = getattr(host, self.child, None)
+        return child if isinstance(child, Envoy) else None
+
+    def reason(self, host: Envoy) -> str | None:
+        child = self.host_of(host)
+        if child is None:
+            return f"this block has no {self.child} module"
+        value = type(child).__dict__.get(self.target) or getattr(type(child), self.target, None)
+        if not isinstance(value, Value):
+            return f"{self.child} is not a standardized module on this family"
+        return value.reason(child)
+
+    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
+        if host is None:
+            return self
+        self.check(host)
+        return getattr(self.host_of(host), self.target)
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        self.check(host)
+        setattr(self.host_of(host), self.target, value)
+
+
+def values_of(cls: type) -> dict[str, Value]:
+    """A class's standardized values by name, base classes first."""
+    found: dict[str, Value] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attr in vars(klass).items():
+            if isinstance(attr, Value):
+                found[name] = attr
+    return found
+
+
+class Derived(Value):
+    """A read-only value computed from other values of the same host: ``Derived(lambda model: ...)``."""
+
+    def __init__(self, compute: Callable[[Envoy], Any], *, description: str = "", unavailable: Reason = None) -> None:
+        super().__init__(description=description, unavailable=unavailable, writable=False)
+        self.compute = compute
+
+    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
+        if host is None:
+            return self
+        self.check(host)
+        return self.compute(host)

@@ -1,0 +1,1 @@
+"""The engines a standardized model runs on: transformers and vLLM."""

@@ -1,0 +1,64 @@
+"""`StandardizedTransformer`: the standardized root over nnsight's `TransformersModel`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from nnsight import TransformersModel
+
+from .. import families
+from ..components import Layers
+from ..families import default
+from ..standardized import Standardized
+
+
+class StandardizedTransformer(Standardized, TransformersModel):
+    """A HuggingFace transformers model with the standardized values and methods.
+
+    Args:
+        checkpoint: A local checkpoint directory, a hub id, or a loaded ``PreTrainedModel``.
+        family: A family module to serve the model with, skipping the lookup by model_type.
+        rename: Extra ``{native_path: standard_name}`` aliases; they win over the family's.
+        envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
+        **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
+            ``attn_implementation="eager"`` (so the attention pattern exists) and
+            ``task="text-generation"`` (so nothing asks the hub for it).
+
+    Example::
+
+        model = StandardizedTransformer("path/to/checkpoint")
+        with model.trace("The Eiffel Tower is in the city of"):
+            resid = model.layers[2].layer_output.save()
+            pattern = model.layers[2].self_attn.attention_probabilities.save()
+    """
+
+    ENGINE = families.TRANSFORMERS
+
+    def __init__(
+        self,
+        checkpoint: Any,
+        *,
+        family: ModuleType | None = None,
+        rename: dict[str, str] | None = None,
+        envoys: dict[Any, type] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        self.family = family or families.lookup(self._model_type(config))
+        if not isinstance(checkpoint, torch.nn.Module):
+            kwargs.setdefault("attn_implementation", "eager")
+            checkpoint = str(checkpoint)
+        kwargs.setdefault("task", "text-generation")
+        from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
+
+        base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
+        super().__init__(
+            checkpoint,
+            rename={**self.family.RENAME, **(rename or {})},
+            envoys={**base, "layers": Layers, **self.family.ENVOYS, **(envoys or {})},
+            **kwargs,
+        )
+        if self.family is default:
+            default.check(self)

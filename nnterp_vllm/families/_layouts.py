@@ -1,0 +1,47 @@
+"""Shared machinery for family modules: the spellings and block layouts several families share.
+
+Not a family itself (its name starts with an underscore, so `known()` skips it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..components import Attention, Layer, Mlp, Value
+
+#: The containers of every model on transformers' llama layout (``model.{embed_tokens, layers, norm}``).
+LLAMA_RENAME = {"model.layers": "layers", "model.embed_tokens": "embed_tokens", "model.norm": "norm"}
+#: The containers of GPT-2-style models (``transformer.{wte, h, ln_f}``) and their attention's name.
+GPT2_RENAME = {
+    "transformer.wte": "embed_tokens",
+    "transformer.h": "layers",
+    "transformer.ln_f": "norm",
+    "attn": "self_attn",
+}
+
+
+def classes(module: str, layer: type = Layer, attention: type = Attention, mlp: type = Mlp) -> tuple[type, ...]:
+    """A family's own ``Layer``, ``Attention`` and ``Mlp``: subclasses of the given bases, owned by ``module``."""
+    return tuple(
+        type(base.__name__, (base,), {"__module__": module, "__qualname__": base.__name__})
+        for base in (layer, attention, mlp)
+    )
+
+
+class PostNormLayer(Layer):
+    """A block that norms each sublayer's output before adding it (Gemma-2/3, OLMo-2).
+
+    The norms' outputs are what the block adds to the residual stream.
+    """
+
+    attention_output = Value("post_attention_layernorm.output", description=Layer.attention_output.description)
+    mlp_output = Value("post_feedforward_layernorm.output", description=Layer.mlp_output.description)
+
+
+def softcapped(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``project_on_vocab`` for a model that soft-caps its logits (``config.final_logit_softcapping``)."""
+    logits = model.lm_head(model.norm(hidden))
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits

@@ -1,0 +1,313 @@
+"""`Standardized`: the engine-independent root of a standardized model.
+
+It knows the root values, the sizes, ``support()``, the loading rules shared by the
+engines and the public methods (steering, skipping layers, the logit lens). It never
+knows an operation name inside a forward or a family's config keys: a family function
+of the same name overrides a size or ``project_on_vocab``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .components import Derived, Standard, Value
+
+LayerSelection = int | Iterable[int]
+Positions = int | slice | Iterable[int] | None
+
+
+class Size:
+    """A read-only size: a family function of the same name wins, else the plain rule over the text config."""
+
+    def __init__(self, rule: Callable[[Any], int]) -> None:
+        self.rule = rule
+        self.__doc__ = rule.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, model: Any, owner: Any = None) -> Any:
+        if model is None:
+            return self
+        override = getattr(model.family, self.name, None)
+        if callable(override):
+            return override(model)
+        return self.rule(model.config.get_text_config())
+
+    def __set__(self, model: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{self.name} is read-only: it is read from the model's config "
+            f"(a family module spells it otherwise with `def {self.name}(model)`)"
+        )
+
+
+def _num_heads(config: Any) -> int:
+    return config.num_attention_heads
+
+
+class Indexed:
+    """``model.layers_output[i]``-style access to one value of every block, readable and writable."""
+
+    def __init__(self, model: Standardized, name: str, child: str | None = None) -> None:
+        self.model, self.name, self.child = model, name, child
+
+    def _host(self, layer: int) -> Any:
+        block = self.model.layers[layer]
+        return getattr(block, self.child) if self.child else block
+
+    def __getitem__(self, layer: int) -> Any:
+        return getattr(self._host(layer), self.name)
+
+    def __setitem__(self, layer: int, value: Any) -> None:
+        setattr(self._host(layer), self.name, value)
+
+    def __len__(self) -> int:
+        return self.model.num_layers
+
+
+def _next_token_probs(model: Standardized) -> torch.Tensor:
+    return torch.softmax(model.logits[:, -1, :].float(), dim=-1)
+
+
+class Standardized:
+    """The root of a standardized model; mixed over an nnsight engine class (`engines/`)."""
+
+    #: The family module serving this model; set by the engine's constructor.
+    family: Any
+    #: The engine's name in ``support()`` and errors.
+    ENGINE = "transformers"
+
+    # -- root values ----------------------------------------------------------
+
+    logits = Value("output", select="logits", description="The model's logits [batch, seq, vocab]")
+    token_embeddings = Value("embed_tokens.output", description="The token embeddings [batch, seq, hidden]")
+    final_norm_output = Value("norm.output", description="The final norm's output [batch, seq, hidden]")
+    lm_head_output = Value("lm_head.output", description="The head's output, before any post-head step")
+    input_ids = Value("inputs", select="input_ids", description="The token ids of the batch [batch, seq]")
+    attention_mask = Value("inputs", select="attention_mask", description="The attention mask [batch, seq]")
+    next_token_probs = Derived(_next_token_probs, description="Softmax of the last position's logits [batch, vocab]")
+    input_size = Derived(lambda model: model.input_ids.shape, description="The shape of input_ids")
+
+    # -- sizes ----------------------------------------------------------------
+
+    num_layers = Size(lambda config: config.num_hidden_layers)
+    hidden_size = Size(lambda config: config.hidden_size)
+    num_heads = Size(_num_heads)
+    num_kv_heads = Size(lambda config: getattr(config, "num_key_value_heads", None) or _num_heads(config))
+    head_dim = Size(lambda config: getattr(config, "head_dim", None) or config.hidden_size // _num_heads(config))
+    intermediate_size = Size(lambda config: config.intermediate_size)
+    vocab_size = Size(lambda config: config.vocab_size)
+
+    # -- nnterp migration aliases ---------------------------------------------
+
+    @property
+    def layers_input(self) -> Indexed:
+        """``model.layers_input[i]`` is ``model.layers[i].layer_input``."""
+        return Indexed(self, "layer_input")
+
+    @property
+    def layers_output(self) -> Indexed:
+        """``model.layers_output[i]`` is ``model.layers[i].layer_output``."""
+        return Indexed(self, "layer_output")
+
+    @property
+    def attentions_output(self) -> Indexed:
+        """``model.attentions_output[i]`` is ``model.layers[i].attention_output``."""
+        return Indexed(self, "attention_output")
+
+    @property
+    def mlps_output(self) -> Indexed:
+        """``model.mlps_output[i]`` is ``model.layers[i].mlp_output``."""
+        return Indexed(self, "mlp_output")
+
+    @property
+    def attention_probabilities(self) -> Indexed:
+        """``model.attention_probabilities[i]`` is ``model.layers[i].self_attn.attention_probabilities``."""
+        return Indexed(self, "attention_probabilities", child="self_attn")
+
+    # -- loading --------------------------------------------------------------
+
+    @staticmethod
+    def _read_config(checkpoint: Any, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+        """The config of ``checkpoint`` (a loaded module, a local directory or a hub id), read before any build."""
+        if isinstance(checkpoint, torch.nn.Module):
+            return checkpoint.config
+        path = os.fspath(checkpoint)
+        expanded = os.path.expanduser(path)
+        if not os.path.isdir(expanded) and (os.path.isabs(expanded) or path.startswith((".", "~"))):
+            raise FileNotFoundError(
+                f"checkpoint directory {path!r} does not exist (looked at {os.path.abspath(expanded)!r}); "
+                "pass an existing directory holding config.json, or a hub id"
+            )
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(expanded, revision=revision, trust_remote_code=trust_remote_code)
+        except OSError as error:
+            raise OSError(
+                f"could not read a config for {path!r}: it is not a local directory, and the hub answered: {error}"
+            ) from error
+
+    @staticmethod
+    def _model_type(config: Any) -> str:
+        """The model_type the family is looked up by: the text model's, on a multimodal config."""
+        text = getattr(config, "text_config", None)
+        return getattr(text, "model_type", None) or config.model_type
+
+    # -- support --------------------------------------------------------------
+
+    def support(self) -> dict[str, Any]:
+        """Every value -> ``None`` when available, else the reason it is not.
+
+        Block values are keyed by their name on the block (``"layer_output"``) or on its
+        module (``"self_attn.attention_probabilities"``); one missing on some blocks only
+        reads as ``{layer: reason}``. ``"engine"`` names the engine the table is for.
+        """
+        table: dict[str, Any] = {"engine": self.ENGINE}
+        for name, value in type(self).__dict__.items():
+            if isinstance(value, Value):
+                table[name] = value.reason(self)
+        for name, value in Standardized.__dict__.items():
+            if isinstance(value, Value) and name not in table:
+                table[name] = value.reason(self)
+        per_layer = [_block_support(block) for block in self.layers]
+        names = dict.fromkeys(name for block in per_layer for name in block)
+        for name in names:
+            missing = {
+                i: block.get(name, f"this block has no {name}")
+                for i, block in enumerate(per_layer)
+                if block.get(name, "x")
+            }
+            table[name] = missing or None
+        return table
+
+    # -- argument checks ------------------------------------------------------
+
+    def _layer_indices(self, layers: LayerSelection, what: str) -> list[int]:
+        count = self.num_layers
+        chosen = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, Iterable) else None
+        if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
+            raise ValueError(f"{what}: layers must be an int or a non-empty list of ints, got {layers!r}")
+        bad = [i for i in chosen if not -count <= i < count]
+        if bad:
+            raise ValueError(f"{what}: layer(s) {bad} do not exist; the model has num_layers={count} (0..{count - 1})")
+        return sorted({i % count for i in chosen})
+
+    def _hidden_vector(self, vector: Any, what: str) -> torch.Tensor:
+        if not isinstance(vector, torch.Tensor):
+            raise ValueError(f"{what}: the vector must be a torch.Tensor, got {type(vector).__name__}")
+        if not vector.is_floating_point():
+            raise ValueError(f"{what}: the vector must have a floating dtype, got {vector.dtype}")
+        if vector.shape[-1:] != (self.hidden_size,) or vector.dim() > 2:
+            raise ValueError(
+                f"{what}: the vector must have shape [hidden_size] = [{self.hidden_size}] "
+                f"(or [n, {self.hidden_size}]), got {list(vector.shape)}"
+            )
+        if not torch.isfinite(vector).all():
+            raise ValueError(f"{what}: the vector holds NaN or inf values")
+        return vector
+
+    @staticmethod
+    def _positions(positions: Positions, what: str) -> Any:
+        if positions is None:
+            return slice(None)
+        if isinstance(positions, (int, slice)) and not isinstance(positions, bool):
+            return positions
+        chosen = list(positions)
+        if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
+            raise ValueError(f"{what}: positions must be None, an int, a slice or a list of ints, got {positions!r}")
+        return chosen
+
+    # -- methods --------------------------------------------------------------
+
+    def steer(
+        self, layers: LayerSelection, vector: torch.Tensor, factor: float = 1.0, positions: Positions = None
+    ) -> None:
+        """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions`` (all by default).
+
+        Call inside a trace or generate, before the first steered layer runs. The arguments
+        are checked before anything is read from the model.
+        """
+        indices = self._layer_indices(layers, "steer")
+        vector = self._hidden_vector(vector, "steer")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
+            raise ValueError(f"steer: factor must be a finite number, got {factor!r}")
+        where = self._positions(positions, "steer")
+        for index in indices:
+            block = self.layers[index]
+            steered = block.layer_output.clone()
+            steered[:, where] += factor * vector.to(device=steered.device, dtype=steered.dtype)
+            block.layer_output = steered
+
+    def skip_layers(self, start: int, end: int | None = None) -> None:
+        """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace."""
+        end = start if end is None else end
+        first, last = (self._layer_indices(index, "skip_layers")[0] for index in (start, end))
+        if first > last:
+            raise ValueError(f"skip_layers: start ({start}) must not come after end ({end})")
+        for index in range(first, last + 1):
+            block = self.layers[index]
+            block.layer_output = block.layer_input.clone()
+
+    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for a residual-stream state: the final norm, the head, and whatever the family does after it."""
+        override = getattr(self.family, "project_on_vocab", None)
+        if callable(override):
+            return override(self, hidden)
+        return self.lm_head(self.norm(hidden))
+
+    def get_topk_closest_tokens(self, vector: torch.Tensor, k: int = 10) -> list[list[tuple[str, float]]]:
+        """The ``k`` tokens whose unembedding rows are closest (cosine) to ``vector``.
+
+        One list of ``(token, similarity)`` per row of ``vector`` (a single vector gives one list).
+        """
+        vector = self._hidden_vector(vector, "get_topk_closest_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= self.vocab_size:
+            raise ValueError(f"get_topk_closest_tokens: k must be an int in 1..vocab_size={self.vocab_size}, got {k!r}")
+        unembedding = self._unembedding().float()
+        rows = vector.reshape(-1, self.hidden_size).float().to(unembedding.device)
+        similarity = torch.nn.functional.normalize(rows, dim=-1) @ torch.nn.functional.normalize(unembedding, dim=-1).T
+        top = similarity.topk(k, dim=-1)
+        return [
+            [(self.tokenizer.decode([token]), score) for token, score in zip(ids.tolist(), scores.tolist())]
+            for ids, scores in zip(top.indices, top.values)
+        ]
+
+    def _unembedding(self) -> torch.Tensor:
+        return self.lm_head._module.weight
+
+    def logit_lens(self, prompts: Any, position: int = -1) -> torch.Tensor:
+        """Next-token probabilities read off every block's output at ``position``: ``[batch, num_layers, vocab]``."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise ValueError(f"logit_lens: position must be an int, got {position!r}")
+        with self.trace(prompts):
+            per_layer = [
+                torch.softmax(self.project_on_vocab(block.layer_output[:, position]).float(), dim=-1)
+                for block in self.layers
+            ]
+            probabilities = torch.stack(per_layer, dim=1).save()
+        return probabilities
+
+
+def _block_support(block: Any) -> dict[str, str | None]:
+    """One block's values by name: its own, and its standardized modules' as ``module.value``."""
+    table = dict(block.support()) if isinstance(block, Standard) else {}
+    for name, child in _standard_children(block).items():
+        for value, reason in child.support().items():
+            table[f"{name}.{value}"] = reason
+    return table
+
+
+def _standard_children(block: Any) -> dict[str, Standard]:
+    """A block's standardized modules, by their standard name where an alias is bound."""
+    found: dict[int, str] = {}
+    for name, child in vars(block).items():
+        if isinstance(child, Standard) and child is not block:
+            if id(child) not in found or name in block._aliases:
+                found[id(child)] = name
+    return {name: block.__dict__[name] for name in found.values()}

@@ -1,0 +1,52 @@
+"""Ground truth from plain transformers and PyTorch hooks, independent of nnsight and of the library."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tiny
+import torch
+from transformers import AutoModelForCausalLM
+
+PROMPT = "The quick brown fox jumps over"
+OTHER_PROMPT = "Hello world"
+
+
+def load(path: Path, attn_implementation: str = "eager") -> Any:
+    """The plain transformers model of a checkpoint, in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation).eval()
+
+
+def encode(prompt: str = PROMPT) -> dict[str, torch.Tensor]:
+    return dict(tiny.tokenizer()(prompt, return_tensors="pt"))
+
+
+def blocks(model: Any) -> torch.nn.ModuleList:
+    """The decoder blocks of a plain transformers model, found by type (the longest ModuleList of blocks)."""
+    lists = [
+        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == model.config.num_hidden_layers
+    ]
+    return lists[0]
+
+
+def run(model: Any, prompt: str = PROMPT, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return model(**encode(prompt), **kwargs)
+
+
+def with_block_output(model: Any, layer: int, edit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """Run the model with block ``layer``'s hidden output replaced by ``edit(block_input, block_output)``."""
+
+    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        hidden_in = args[0] if args else next(iter(kwargs.values()))
+        if isinstance(output, tuple):
+            return (edit(hidden_in, output[0]), *output[1:])
+        return edit(hidden_in, output)
+
+    handle = blocks(model)[layer].register_forward_hook(hook, with_kwargs=True)
+    try:
+        return run(model).logits
+    finally:
+        handle.remove()

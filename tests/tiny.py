@@ -1,0 +1,89 @@
+"""Tiny random checkpoints built offline from transformers config classes, cached on disk.
+
+Every checkpoint has head_dim 32 (vLLM's CPU attention needs >= 32), a byte-level
+tokenizer, and weights drawn from a fixed seed, so HF and vLLM load identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("NNTERP_VLLM_TEST_CACHE", ROOT / ".cache" / "tiny"))
+
+SIZES: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+#: Per model_type: config keys that differ from SIZES (a config spelling a size its own way,
+#: or a default that does not fit a tiny model).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_inner": 256, "n_positions": 256},
+    "gptj": {"n_inner": 256, "n_positions": 256, "rotary_dim": 16},
+    "opt": {"ffn_dim": 256, "word_embed_proj_dim": 128},
+    "bloom": {},
+    "gemma2": {"sliding_window": 16, "query_pre_attn_scalar": 32},
+    "gemma3_text": {"sliding_window": 16, "query_pre_attn_scalar": 32},
+}
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def tokenizer() -> Any:
+    """A byte-level tokenizer (no merges): every text encodes, ids < 259."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS.values())}
+    vocab.update({char: len(vocab) + i for i, char in enumerate(sorted(alphabet))})
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=model, **SPECIAL_TOKENS)
+
+
+def config_kwargs(model_type: str, **extra: Any) -> dict[str, Any]:
+    """The config keys a tiny ``model_type`` checkpoint is built with: the SIZES its config class knows."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]()
+    known = {key: value for key, value in SIZES.items() if hasattr(defaults, key)}
+    return {**known, **OVERRIDES.get(model_type, {}), **extra}
+
+
+def checkpoint(model_type: str, seed: int = 0, **extra: Any) -> Path:
+    """The directory of a tiny random ``model_type`` checkpoint, built once and cached."""
+    import transformers
+
+    kwargs = config_kwargs(model_type, **extra)
+    digest = hashlib.sha256(json.dumps([kwargs, seed, transformers.__version__], sort_keys=True).encode()).hexdigest()
+    path = CACHE / f"{model_type}-{digest[:12]}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    staging = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(staging)
+    tokenizer().save_pretrained(staging)
+    staging.rename(path)
+    return path
