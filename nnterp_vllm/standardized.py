@@ -165,8 +165,9 @@ class Standardized:
         """Every value -> ``None`` when available, else the reason it is not.
 
         Block values are keyed by their name on the block (``"layer_output"``) or on its
-        module (``"self_attn.attention_probabilities"``); one missing on some blocks only
-        reads as ``{layer: reason}``. ``"engine"`` names the engine the table is for.
+        module (``"self_attn.attention_probabilities"``); one missing on every block for the
+        same reason reads as that reason, one missing on some blocks as ``{layer: reason}``.
+        ``"engine"`` names the engine the table is for.
         """
         table: dict[str, Any] = {"engine": self.ENGINE}
         for name, value in type(self).__dict__.items():
@@ -176,14 +177,11 @@ class Standardized:
             if isinstance(value, Value) and name not in table:
                 table[name] = value.reason(self)
         per_layer = [_block_support(block) for block in self.layers]
-        names = dict.fromkeys(name for block in per_layer for name in block)
-        for name in names:
-            missing = {
-                i: block.get(name, f"this block has no {name}")
-                for i, block in enumerate(per_layer)
-                if block.get(name, "x")
-            }
-            table[name] = missing or None
+        for name in dict.fromkeys(name for block in per_layer for name in block):
+            reasons = [block.get(name, f"this block has no {name}") for block in per_layer]
+            missing = {layer: reason for layer, reason in enumerate(reasons) if reason}
+            whole = len(missing) == len(reasons) and len(set(reasons)) == 1
+            table[name] = reasons[0] if whole else missing or None
         return table
 
     # -- argument checks ------------------------------------------------------

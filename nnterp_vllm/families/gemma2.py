@@ -2,10 +2,10 @@
 
 from transformers.models.gemma2 import modeling_gemma2 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import PostNormLayer, classes
-from ._layouts import softcapped as project_on_vocab
+from ._layouts import LLAMA_RENAME, PostNormLayer, classes, softcapped
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer)
 ENVOYS = {hf.Gemma2DecoderLayer: Layer, hf.Gemma2Attention: Attention, hf.Gemma2MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp", "project_on_vocab"]
+project_on_vocab = softcapped

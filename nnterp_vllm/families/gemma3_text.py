@@ -5,10 +5,10 @@ Logits are soft-capped where the config says so.
 
 from transformers.models.gemma3 import modeling_gemma3 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import PostNormLayer, classes
-from ._layouts import softcapped as project_on_vocab
+from ._layouts import LLAMA_RENAME, PostNormLayer, classes, softcapped
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer)
 ENVOYS = {hf.Gemma3DecoderLayer: Layer, hf.Gemma3Attention: Attention, hf.Gemma3MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp", "project_on_vocab"]
+project_on_vocab = softcapped

@@ -5,7 +5,9 @@ from typing import Any
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
 from ..components import Attention
-from ._layouts import classes
+from ._layouts import GPT2_RENAME, classes
+
+RENAME = GPT2_RENAME
 
 
 class GPT2Attention(Attention):

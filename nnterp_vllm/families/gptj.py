@@ -3,8 +3,9 @@
 from transformers.models.gptj import modeling_gptj as hf
 
 from ..components import Attention
-from ._layouts import GPT2_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import GPT2_RENAME, classes
+
+RENAME = GPT2_RENAME
 
 
 class GPTJAttention(Attention):
@@ -17,4 +18,3 @@ class GPTJAttention(Attention):
 
 Layer, Attention, Mlp = classes(__name__, attention=GPTJAttention)
 ENVOYS = {hf.GPTJBlock: Layer, hf.GPTJAttention: Attention, hf.GPTJMLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

@@ -2,9 +2,9 @@
 
 from transformers.models.llama import modeling_llama as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__)
 ENVOYS = {hf.LlamaDecoderLayer: Layer, hf.LlamaAttention: Attention, hf.LlamaMLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

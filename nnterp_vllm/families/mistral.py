@@ -2,9 +2,9 @@
 
 from transformers.models.mistral import modeling_mistral as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__)
 ENVOYS = {hf.MistralDecoderLayer: Layer, hf.MistralAttention: Attention, hf.MistralMLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

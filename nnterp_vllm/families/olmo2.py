@@ -2,9 +2,9 @@
 
 from transformers.models.olmo2 import modeling_olmo2 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import PostNormLayer, classes
+from ._layouts import LLAMA_RENAME, PostNormLayer, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer)
 ENVOYS = {hf.Olmo2DecoderLayer: Layer, hf.Olmo2Attention: Attention, hf.Olmo2MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

