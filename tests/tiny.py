@@ -7,6 +7,7 @@ tokenizer, and weights drawn from a fixed seed, so HF and vLLM load identical fi
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -31,7 +32,7 @@ SIZES: dict[str, Any] = {
 }
 
 #: Per model_type: config keys that differ from SIZES (a config spelling a size its own way,
-#: or a default that does not fit a tiny model).
+#: or a default that does not fit a tiny model). Modules in ``tests/tiny_configs/`` add theirs.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt2": {"n_inner": 256, "n_positions": 256},
     "gptj": {"n_inner": 256, "n_positions": 256, "rotary_dim": 16},
@@ -40,6 +41,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma2": {"sliding_window": 16, "query_pre_attn_scalar": 32},
     "gemma3_text": {"sliding_window": 16, "query_pre_attn_scalar": 32},
 }
+
+for _module in sorted((Path(__file__).parent / "tiny_configs").glob("[!_]*.py")):
+    _spec = importlib.util.spec_from_file_location(f"tiny_configs.{_module.stem}", _module)
+    _loaded = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_loaded)
+    OVERRIDES.update(_loaded.OVERRIDES)
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 

