@@ -8,17 +8,23 @@ of the same name overrides a size or ``project_on_vocab``.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 
-from .components import Derived, Standard, Value
+from .components import Derived, Standard, Value, values_of
 
 LayerSelection = int | Iterable[int]
 Positions = int | slice | Iterable[int] | None
+
+#: Family modules by name, for families handed in as module objects that no import can find.
+_FAMILIES: dict[str, Any] = {}
 
 
 class Size:
@@ -77,10 +83,21 @@ def _next_token_probs(model: Standardized) -> torch.Tensor:
 class Standardized:
     """The root of a standardized model; mixed over an nnsight engine class (`engines/`)."""
 
-    #: The family module serving this model; set by the engine's constructor.
-    family: Any
+    #: The name of the family module serving this model; set by the engine's constructor.
+    _family_name: str
     #: The engine's name in ``support()`` and errors.
     ENGINE = "transformers"
+
+    @property
+    def family(self) -> Any:
+        """The family module serving this model (held by name, so the model pickles into vLLM's workers)."""
+        name = self._family_name
+        return _FAMILIES.get(name) or sys.modules.get(name) or importlib.import_module(name)
+
+    def _serve_with(self, family: Any) -> None:
+        """Record the family serving this model (called by the engine's constructor)."""
+        _FAMILIES[family.__name__] = family
+        self._family_name = family.__name__
 
     # -- root values ----------------------------------------------------------
 
@@ -170,12 +187,8 @@ class Standardized:
         ``"engine"`` names the engine the table is for.
         """
         table: dict[str, Any] = {"engine": self.ENGINE}
-        for name, value in type(self).__dict__.items():
-            if isinstance(value, Value):
-                table[name] = value.reason(self)
-        for name, value in Standardized.__dict__.items():
-            if isinstance(value, Value) and name not in table:
-                table[name] = value.reason(self)
+        for name, value in values_of(type(self)).items():
+            table[name] = value.reason(self)
         per_layer = [_block_support(block) for block in self.layers]
         for name in dict.fromkeys(name for block in per_layer for name in block):
             reasons = [block.get(name, f"this block has no {name}") for block in per_layer]
@@ -253,11 +266,22 @@ class Standardized:
             block.layer_output = block.layer_input.clone()
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for a residual-stream state: the final norm, the head, and whatever the family does after it."""
-        override = getattr(self.family, "project_on_vocab", None)
-        if callable(override):
-            return override(self, hidden)
-        return self.lm_head(self.norm(hidden))
+        """Logits for a residual-stream state: the final norm, the head, and whatever the family does after it.
+
+        The family's ``post_head(model, logits)`` (a soft cap, a scale) runs last where it has one.
+        """
+        logits = self._unembed(self._final_norm(hidden))
+        return self._post_head(logits)
+
+    def _post_head(self, logits: torch.Tensor) -> torch.Tensor:
+        post_head = getattr(self.family, "post_head", None)
+        return post_head(self, logits) if callable(post_head) else logits
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed)
 
     def get_topk_closest_tokens(self, vector: torch.Tensor, k: int = 10) -> list[list[tuple[str, float]]]:
         """The ``k`` tokens whose unembedding rows are closest (cosine) to ``vector``.
@@ -292,6 +316,18 @@ class Standardized:
         return probabilities
 
 
+def family_gaps(cls: type) -> type:
+    """Let a family mark root values of ``cls`` unavailable, with ``UNAVAILABLE = {value: reason}``."""
+    for name, value in vars(cls).items():
+        if isinstance(value, Value) and not name.startswith("_"):
+            value.unavailable = partial(_family_gap, name=name)
+    return cls
+
+
+def _family_gap(model: Any, name: str) -> str | None:
+    return getattr(model.family, "UNAVAILABLE", {}).get(name)
+
+
 def _block_support(block: Any) -> dict[str, str | None]:
     """One block's values by name: its own, and its standardized modules' as ``module.value``."""
     table = dict(block.support()) if isinstance(block, Standard) else {}
@@ -309,3 +345,6 @@ def _standard_children(block: Any) -> dict[str, Standard]:
             if id(child) not in found or name in block._aliases:
                 found[id(child)] = name
     return {name: block.__dict__[name] for name in found.values()}
+
+
+family_gaps(Standardized)

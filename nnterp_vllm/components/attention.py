@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 from nnsight.intervention.envoy import Envoy
-from nnsight.intervention.interleaver import Mediator
 
 from .standard import Standard
-from .values import WHOLE, Value
+from .values import WHOLE, Value, first_tensor
 
 #: The call every family on transformers' shared attention path makes:
 #: ``attention_interface(module, query, key, value, attention_mask, ...)``.
@@ -32,19 +31,19 @@ def needs_eager(envoy: Envoy) -> str | None:
     return None
 
 
-def per_head(projection: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor:
-    """An output projection's weight as ``[heads, head_dim, out]``: what each head's slice maps to."""
-    weight = projection.weight
-    weight_in_out = weight if hasattr(projection, "nf") else weight.t()  # transformers' Conv1D stores [in, out]
-    return weight_in_out.reshape(heads, head_dim, weight_in_out.shape[-1])
+def project(projection: Envoy, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (``[..., in]``) through a projection module, called as the forward calls it."""
+    flat = value.reshape(-1, value.shape[-1])
+    return first_tensor(projection(flat)).reshape(*value.shape[:-1], -1)
 
 
 class HeadOutputs(Value):
     """Each head's contribution after the output projection, ``[batch, seq, heads, out]``.
 
-    Read as the premix pushed through each head's slice of the projection; their sum plus
-    the projection's bias is the projection's output. Assigning replaces the projection's
-    output with the sum of the assigned heads plus the bias.
+    Read by projecting each head's slice of the premix alone (the others zeroed) and taking
+    away the projection of zeros (its bias), so the heads sum, with the bias, to the
+    projection's output; the projection module itself is called, whatever its weight layout.
+    Assigning replaces the projection's output with the assigned heads' sum plus the bias.
     """
 
     def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
@@ -52,17 +51,25 @@ class HeadOutputs(Value):
             return self
         self.check(host)
         premix = host.attention_premix
-        weight = per_head(host.output_projection._module, premix.shape[2], premix.shape[3])
-        return torch.einsum("bshd,hdm->bshm", premix, weight.to(premix.dtype))
+        heads = premix.shape[2]
+        alone = premix.unsqueeze(0) * torch.eye(heads, dtype=premix.dtype, device=premix.device).view(
+            heads, 1, 1, heads, 1
+        )
+        projected = project(host.output_projection, alone.flatten(-2)) - projection_bias(host)
+        return projected.permute(1, 2, 0, 3)
 
     def __set__(self, host: Envoy, value: Any) -> None:
         self.check(host)
-        projection = host.output_projection
-        total = value.sum(dim=2)
-        bias = getattr(projection._module, "bias", None)
-        if bias is not None:
-            total = total + bias.to(total.dtype)
-        Mediator.swap(f"{projection.path}.output", total)
+        host._projection_output = value.sum(dim=2) + projection_bias(host)
+
+
+def projection_bias(host: Envoy) -> torch.Tensor:
+    """What the output projection adds to a zero input (its bias, or zeros), ``[out]``."""
+    module = host.output_projection._module
+    # torch's Linear, transformers' Conv1D and vLLM's parallel linears name their input width differently.
+    width = next(getattr(module, name) for name in ("in_features", "nx", "input_size") if hasattr(module, name))
+    parameter = next(module.parameters())
+    return project(host.output_projection, torch.zeros(1, width, dtype=parameter.dtype, device=parameter.device))[0]
 
 
 class Attention(Standard):
@@ -94,6 +101,8 @@ class Attention(Standard):
     def output_projection(self) -> Envoy:
         """The envoy of the output projection."""
         return getattr(self, self.OUTPUT_PROJECTION)
+
+    _projection_output = Value("{self.OUTPUT_PROJECTION}.output")
 
     @Value("output", description="The attention module's output [batch, seq, hidden]")
     def attention_output(self, value: Any) -> Any:

@@ -9,10 +9,11 @@ It can also say why it is unavailable on a given model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from nnsight.intervention.envoy import Envoy
-from nnsight.intervention.eproperty import eproperty
+from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.util import first_input, replace_first_input
 
@@ -156,6 +157,23 @@ class Value(eproperty):
         items[select] = part
         return tuple(items)
 
+    # -- what the user holds ---------------------------------------------------
+
+    #: Whether a read hands out a copy whose in-place edits must be written back (see `write_back`).
+    writes_back = False
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        """What a read returns, from the selected part of the served value."""
+        return self._preprocess(host, part) if self._preprocess is not None else part
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        """The part to put back into the model, from what the user wrote."""
+        return self._postprocess(host, value) if self._postprocess is not None else value
+
+    def write_back(self, host: Envoy, attribute: str, select: Any, view: Any, raw: Any) -> Any:
+        """The served value with the (possibly edited) ``view`` a read handed out put back in."""
+        return self.put(attribute, raw, self.accept(host, view), select)
+
     # -- read and write -------------------------------------------------------
 
     def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
@@ -163,17 +181,27 @@ class Value(eproperty):
             return self
         self.check(host)
         location, attribute = self.locate(host)
-        value = self.pick(attribute, Mediator.value(location), self.selection(host))
-        if self._preprocess is not None:
-            value = self._preprocess(host, value)
+        select = self.selection(host)
+        if self.writes_back:
+            mediator = Mediator.current(location)
+            occurrence = mediator.wanted(location)
+            waiting = mediator.transform
+            if waiting is not None and waiting.key == (self, location, occurrence):
+                return waiting.view
+        raw = Mediator.value(location)
+        value = self.serve(host, self.pick(attribute, raw, select))
+        if self.writes_back:
+            # Swapped in when the worker next asks the model for anything, so in-place edits
+            # of the copy reach the model as an assignment would.
+            restore = partial(self.write_back, host, attribute, select, value, raw)
+            mediator.transform = WriteBack(restore, value, self, location, occurrence)
         return value
 
     def __set__(self, host: Envoy, value: Any) -> None:
         if not self.writable:
             raise AttributeError(f"{self.name} is read-only: it is derived from other values; write those instead")
         self.check(host)
-        if self._postprocess is not None:
-            value = self._postprocess(host, value)
+        value = self.accept(host, value)
         location, attribute = self.locate(host)
         select = self.selection(host)
         if attribute == "input" or select is not WHOLE:
@@ -219,11 +247,11 @@ class Delegate(Value):
 
 
 def values_of(cls: type) -> dict[str, Value]:
-    """A class's standardized values by name, base classes first."""
+    """A class's standardized values by name, base classes first (helpers named ``_...`` left out)."""
     found: dict[str, Value] = {}
     for klass in reversed(cls.__mro__):
         for name, attr in vars(klass).items():
-            if isinstance(attr, Value):
+            if isinstance(attr, Value) and not name.startswith("_"):
                 found[name] = attr
     return found
 

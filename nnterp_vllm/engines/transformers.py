@@ -46,7 +46,8 @@ class StandardizedTransformer(Standardized, TransformersModel):
         **kwargs: Any,
     ) -> None:
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
-        self.family = family or families.lookup(self._model_type(config))
+        family = family or families.lookup(self._model_type(config))
+        self._serve_with(family)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
             checkpoint = str(checkpoint)
@@ -56,9 +57,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
         super().__init__(
             checkpoint,
-            rename={**self.family.RENAME, **(rename or {})},
-            envoys={**base, "layers": Layers, **self.family.ENVOYS, **(envoys or {})},
+            rename={**family.RENAME, **(rename or {})},
+            envoys={**base, "layers": Layers, **family.ENVOYS, **(envoys or {})},
             **kwargs,
         )
-        if self.family is default:
+        if family is default:
             default.check(self)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..components import Attention, Layer, Mlp, Value
+from ..components import vllm as on_vllm
 
 #: The containers of every model on transformers' llama layout (``model.{embed_tokens, layers, norm}``).
 LLAMA_RENAME = {"model.layers": "layers", "model.embed_tokens": "embed_tokens", "model.norm": "norm"}
@@ -40,8 +41,19 @@ class PostNormLayer(Layer):
     mlp_output = Value("post_feedforward_layernorm.output", description=Layer.mlp_output.description)
 
 
-def softcapped(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """``project_on_vocab`` for a model that soft-caps its logits (``config.final_logit_softcapping``)."""
-    logits = model.lm_head(model.norm(hidden))
+class PostNormVLLMLayer(on_vllm.DualStreamLayer):
+    """`PostNormLayer` on vLLM's module tree."""
+
+    attention_output = on_vllm.Flat("post_attention_layernorm.output", description=Layer.attention_output.description)
+    mlp_output = on_vllm.Flat("post_feedforward_layernorm.output", description=Layer.mlp_output.description)
+
+
+def vllm_classes(module: str, layer: type = on_vllm.DualStreamLayer, attention: type = on_vllm.Attention) -> tuple:
+    """A vLLM family's own ``Layer``, ``Attention`` and ``Mlp`` (llama-like blocks unless told otherwise)."""
+    return classes(module, layer=layer, attention=attention, mlp=on_vllm.Mlp)
+
+
+def softcap(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``post_head`` for a model that soft-caps its logits (``config.final_logit_softcapping``)."""
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits

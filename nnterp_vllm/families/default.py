@@ -90,7 +90,7 @@ def check(model: Any) -> None:
         )
 
 
-def project_on_vocab(model: Any, hidden: Any) -> Any:
+def post_head(model: Any, logits: Any) -> Any:
     """Refused: what follows the head (a soft cap, a scale) depends on code a name does not show."""
     raise UnavailableValue(
         f"project_on_vocab is not available on model_type {model.config.model_type!r} with the default family: "

@@ -5,10 +5,10 @@ Logits are soft-capped where the config says so.
 
 from transformers.models.gemma3 import modeling_gemma3 as hf
 
-from ._layouts import LLAMA_RENAME, PostNormLayer, classes, softcapped
+from ._layouts import LLAMA_RENAME, PostNormLayer, classes, softcap
 
 RENAME = LLAMA_RENAME
 
 Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer)
 ENVOYS = {hf.Gemma3DecoderLayer: Layer, hf.Gemma3Attention: Attention, hf.Gemma3MLP: Mlp}
-project_on_vocab = softcapped
+post_head = softcap

@@ -1,0 +1,9 @@
+"""Llama on vLLM: llama-like blocks passing ``(hidden, residual)``."""
+
+from vllm.model_executor.models import llama as vllm_llama
+
+from .._layouts import LLAMA_RENAME, vllm_classes
+
+RENAME = LLAMA_RENAME
+Layer, Attention, Mlp = vllm_classes(__name__)
+ENVOYS = {vllm_llama.LlamaDecoderLayer: Layer, vllm_llama.LlamaAttention: Attention, vllm_llama.LlamaMLP: Mlp}
