@@ -5,30 +5,15 @@ One in-process engine for the module (VLLM_ENABLE_V1_MULTIPROCESSING=0), over a 
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+import tiny
+import torch
 
-# Before anything imports vLLM: run the engine core in this process, and keep its IPC files in a
-# directory this module removes.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-_RPC_DIR = tempfile.mkdtemp(prefix="vllm_rpc_test_")
-os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-pytest.importorskip("vllm")
-
-import tiny  # noqa: E402
-import torch  # noqa: E402
-
-from nnterp_vllm.engines import vllm_platform  # noqa: E402
-from nnterp_vllm.engines.vllm_platform import PlatformVLLM, engine_kwargs, is_cpu_platform, shutdown  # noqa: E402
+from nnterp_vllm.engines import vllm_platform
+from nnterp_vllm.engines.vllm_platform import PlatformVLLM, engine_kwargs, is_cpu_platform, shutdown
 
 ATOL = 1e-4
 PROMPTS = ["Hello world", "The cat sat on the mat."]
@@ -48,13 +33,9 @@ def hf(path: Path):
 
 @pytest.fixture(scope="module")
 def model(path: Path):
-    shm_before = set(glob.glob("/dev/shm/vllm_*"))
     vllm_model = PlatformVLLM(str(path), dispatch=True, dtype="float32")
     yield vllm_model
     shutdown(vllm_model)
-    for leftover in set(glob.glob("/dev/shm/vllm_*")) - shm_before:
-        os.remove(leftover)
-    shutil.rmtree(_RPC_DIR, ignore_errors=True)
 
 
 def ids(model, text: str) -> list[int]:

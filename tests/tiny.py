@@ -38,8 +38,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gptj": {"n_inner": 256, "n_positions": 256, "rotary_dim": 16},
     "opt": {"ffn_dim": 256, "word_embed_proj_dim": 128},
     "bloom": {},
-    "gemma2": {"sliding_window": 16, "query_pre_attn_scalar": 32},
-    "gemma3_text": {"sliding_window": 16, "query_pre_attn_scalar": 32},
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"sliding_window": 16, "query_pre_attn_scalar": 32, "tie_word_embeddings": True},
+    "gemma3_text": {"sliding_window": 16, "query_pre_attn_scalar": 32, "tie_word_embeddings": True},
 }
 
 for _module in sorted((Path(__file__).parent / "tiny_configs").glob("[!_]*.py")):

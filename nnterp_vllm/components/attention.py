@@ -46,9 +46,7 @@ class HeadOutputs(Value):
     Assigning replaces the projection's output with the assigned heads' sum plus the bias.
     """
 
-    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
-        if host is None:
-            return self
+    def read(self, host: Envoy) -> Any:
         self.check(host)
         premix = host.attention_premix
         heads = premix.shape[2]

@@ -179,6 +179,15 @@ class Value(eproperty):
     def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
         if host is None:
             return self
+        try:
+            return self.read(host)
+        except AttributeError as error:
+            # A descriptor's AttributeError would fall through to Envoy.__getattr__ and come back
+            # as "no attribute <name>", hiding what failed.
+            raise RuntimeError(f"reading {self.name} on {host.path} failed: {error!r}") from error
+
+    def read(self, host: Envoy) -> Any:
+        """The value on ``host``, inside a trace."""
         self.check(host)
         location, attribute = self.locate(host)
         select = self.selection(host)
@@ -235,9 +244,7 @@ class Delegate(Value):
             return f"{self.child} is not a standardized module on this family"
         return value.reason(child)
 
-    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
-        if host is None:
-            return self
+    def read(self, host: Envoy) -> Any:
         self.check(host)
         return getattr(self.host_of(host), self.target)
 
@@ -263,8 +270,6 @@ class Derived(Value):
         super().__init__(description=description, unavailable=unavailable, writable=False)
         self.compute = compute
 
-    def __get__(self, host: Envoy | None, owner: Any = None) -> Any:
-        if host is None:
-            return self
+    def read(self, host: Envoy) -> Any:
         self.check(host)
         return self.compute(host)

@@ -55,8 +55,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             On vLLM's CPU build the KV cache defaults to 64 MiB. Prefix caching is refused: it
             would share KV state computed under one request's intervention with other requests.
 
-    Sampling settings go to ``trace``/``invoke`` as vLLM's (``max_tokens``, ``temperature``);
-    `generate` also takes transformers' ``max_new_tokens`` and ``do_sample``.
+    Sampling settings go to ``trace``/``generate`` as vLLM's (``max_tokens``, ``temperature``) or
+    as transformers' (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``).
     """
 
     ENGINE = families.VLLM
@@ -104,13 +104,15 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             **kwargs,
         )
 
-    def generate(self, *args: Any, max_new_tokens: int | None = None, do_sample: bool | None = None, **kwargs: Any):
-        """nnsight's vLLM generate, also taking transformers' ``max_new_tokens`` and ``do_sample``."""
-        if max_new_tokens is not None:
-            kwargs.setdefault("max_tokens", max_new_tokens)
-        if do_sample is False:
+    @staticmethod
+    def _sampling_kwargs(kwargs: dict) -> dict:
+        """vLLM's sampling settings, also taking transformers' spellings (``do_sample``, ``min_new_tokens``)."""
+        kwargs = PlatformVLLM._sampling_kwargs(kwargs)
+        if kwargs.pop("do_sample", None) is False:
             kwargs.setdefault("temperature", 0.0)
-        return super().generate(*args, **kwargs)
+        if "min_new_tokens" in kwargs:
+            kwargs.setdefault("min_tokens", kwargs.pop("min_new_tokens"))
+        return kwargs
 
     def shutdown(self) -> None:
         """Stop the engine behind this model (idempotent); another can then be built in this process."""

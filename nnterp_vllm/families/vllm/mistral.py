@@ -1,5 +1,6 @@
-"""Mistral on vLLM: llama-like blocks passing ``(hidden, residual)``."""
+"""Mistral on vLLM: llama-like blocks passing ``(hidden, residual)``; the block builds llama's MLP."""
 
+from vllm.model_executor.models import llama as vllm_llama
 from vllm.model_executor.models import mistral as vllm_mistral
 
 from .._layouts import LLAMA_RENAME, vllm_classes
@@ -10,4 +11,5 @@ ENVOYS = {
     vllm_mistral.MistralDecoderLayer: Layer,
     vllm_mistral.MistralAttention: Attention,
     vllm_mistral.MistralMLP: Mlp,
+    vllm_llama.LlamaMLP: Mlp,
 }
