@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import UnavailableValue, UnsupportedFamily
 
-__all__ = ["StandardizedTransformer", "UnavailableValue", "UnsupportedFamily"]
+__all__ = ["StandardizedTransformer", "StandardizedVLLM", "UnavailableValue", "UnsupportedFamily"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from .engines.transformers import StandardizedTransformer
 
         return StandardizedTransformer
+    if name == "StandardizedVLLM":
+        from .engines.vllm import StandardizedVLLM
+
+        return StandardizedVLLM
     raise AttributeError(f"module 'nnterp_vllm' has no attribute {name!r}")

@@ -249,11 +249,15 @@ class Standardized:
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
             raise ValueError(f"steer: factor must be a finite number, got {factor!r}")
         where = self._positions(positions, "steer")
+
+        def add(stream: torch.Tensor) -> torch.Tensor:
+            stream = stream.clone()
+            stream[:, where] += factor * vector.to(device=stream.device, dtype=stream.dtype)
+            return stream
+
         for index in indices:
             block = self.layers[index]
-            steered = block.layer_output.clone()
-            steered[:, where] += factor * vector.to(device=steered.device, dtype=steered.dtype)
-            block.layer_output = steered
+            type(block).layer_output.update(block, add)
 
     def skip_layers(self, start: int, end: int | None = None) -> None:
         """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace."""

@@ -206,6 +206,15 @@ class Value(eproperty):
             mediator.transform = WriteBack(restore, value, self, location, occurrence)
         return value
 
+    def update(self, host: Envoy, edit: Callable[[Any], Any]) -> None:
+        """Replace the value with ``edit(value)`` in one read and one write (no write-back of the read copy)."""
+        self.check(host)
+        location, attribute = self.locate(host)
+        select = self.selection(host)
+        raw = Mediator.value(location)
+        edited = edit(self.serve(host, self.pick(attribute, raw, select)))
+        Mediator.swap(location, self.put(attribute, raw, self.accept(host, edited), select))
+
     def __set__(self, host: Envoy, value: Any) -> None:
         if not self.writable:
             raise AttributeError(f"{self.name} is read-only: it is derived from other values; write those instead")
