@@ -10,7 +10,14 @@ from typing import Any
 
 from .errors import UnavailableValue, UnsupportedFamily
 
-__all__ = ["StandardizedTransformer", "StandardizedVLLM", "UnavailableValue", "UnsupportedFamily"]
+__all__ = [
+    "StandardizedTransformer",
+    "StandardizedVLLM",
+    "UnavailableValue",
+    "UnsupportedFamily",
+    "harvest",
+    "load_harvest",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +29,9 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
+    if name in ("harvest", "load_harvest"):
+        import importlib
+
+        package = importlib.import_module(".harvest", __name__)  # callable: nnterp_vllm.harvest(...)
+        return package if name == "harvest" else package.load_harvest
     raise AttributeError(f"module 'nnterp_vllm' has no attribute {name!r}")

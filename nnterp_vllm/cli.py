@@ -16,6 +16,40 @@ def _support(args: argparse.Namespace) -> int:
     return 0
 
 
+def _harvest(args: argparse.Namespace) -> int:
+    from .harvest import harvest
+
+    model = args.model
+    if model == "smollm2":
+        from .checkpoints import smollm2
+
+        model = str(smollm2())
+    model_kwargs = {"dtype": args.model_dtype} if args.model_dtype else {}
+    result = harvest(
+        model,
+        args.corpus,
+        args.values,
+        args.out,
+        engine=args.engine,
+        positions=args.positions,
+        context_length=args.context_length,
+        overflow=args.overflow,
+        add_bos=not args.no_bos,
+        text_field=args.text_field,
+        batch_size=args.batch_size,
+        shard_bytes=int(args.shard_mb * 2**20),
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        workers=args.workers,
+        ray_address=args.ray_address,
+        model_kwargs=model_kwargs,
+        progress=not args.quiet,
+    )
+    print(f"activations: {result.path} ({len(result)} tokens, {len(result.shards)} shards, values {result.values})")
+    print(f"load them with: from nnterp_vllm import load_harvest; harvest = load_harvest({str(result.path)!r})")
+    return 0
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from .checkpoints import smollm2
 
@@ -30,6 +64,30 @@ def parser() -> argparse.ArgumentParser:
     support = commands.add_parser("support", help="print which standardized values a model has, and why not")
     support.add_argument("model", help="a checkpoint directory or hub id")
     support.set_defaults(run=_support)
+    harvest = commands.add_parser("harvest", help="harvest activations over a corpus to disk (resumable)")
+    harvest.add_argument("model", help="a checkpoint directory or hub id, or 'smollm2' for the embedded default model")
+    harvest.add_argument(
+        "--corpus", required=True, help=".txt (a document per line), a directory, .jsonl or a saved dataset"
+    )
+    harvest.add_argument(
+        "--values", required=True, nargs="+", help="e.g. 'layers.*.layer_output' 'layers.6.mlp_output'"
+    )
+    harvest.add_argument("--out", required=True, help="output directory; rerunning the same command resumes it")
+    harvest.add_argument("--engine", choices=["hf", "transformers", "vllm"], default="transformers")
+    harvest.add_argument("--workers", type=int, default=1, help="Ray actors, one model replica each")
+    harvest.add_argument("--ray-address", help="an existing Ray cluster (a local one is started otherwise)")
+    harvest.add_argument("--positions", choices=["all", "last"], default="all")
+    harvest.add_argument("--context-length", type=int, help="tokens per row (default: whole documents)")
+    harvest.add_argument("--overflow", choices=["truncate", "split", "pack"], default="truncate")
+    harvest.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to each document")
+    harvest.add_argument("--text-field", default="text", help="the JSONL / dataset field holding the text")
+    harvest.add_argument("--batch-size", type=int, default=8, help="rows per forward on transformers")
+    harvest.add_argument("--shard-mb", type=float, default=64.0, help="approximate size of a shard")
+    harvest.add_argument("--dtype", help="dtype the activations are stored in (default: the model's)")
+    harvest.add_argument("--model-dtype", help="dtype to load the model in")
+    harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")
+    harvest.add_argument("--quiet", action="store_true", help="no progress bar")
+    harvest.set_defaults(run=_harvest)
     prepare = commands.add_parser(
         "prepare", help="prepare the embedded default model (SmolLM2-135M) and print its path"
     )

@@ -1,32 +1,34 @@
-"""The demo on the embedded default model (SmolLM2-135M): values, the logit lens and steering."""
+"""The main job on the embedded default model: harvest SmolLM2-135M's residual stream over the shipped corpus.
+
+``python -m nnterp_vllm.demo [OUT]`` (``make demo``) prepares the model, harvests every block's
+``layer_output`` over ``nnterp_vllm/data/corpus.jsonl`` into OUT (``harvest-demo/`` by
+default; rerunning resumes it) and prints where the activations are and how to load them.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from .checkpoints import smollm2
-from .engines.transformers import StandardizedTransformer
+from .harvest import harvest
 
-PROMPT = "The Eiffel Tower is in the city of"
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.jsonl"
 
 
-def main() -> None:
-    path = smollm2()
-    model = StandardizedTransformer(path)
-    print(f"model: {path} ({model.family.__name__}, {model.num_layers} layers, hidden {model.hidden_size})")
-    with model.trace(PROMPT):
-        pattern = model.layers[10].self_attn.attention_probabilities.save()
-        resid = model.layers[10].layer_output.save()
-        probs = model.next_token_probs.save()
-    top = probs[0].topk(5)
-    pairs = zip(top.indices.tolist(), top.values.tolist())
-    print("next token:", [(model.tokenizer.decode(i), round(p, 3)) for i, p in pairs])
-    print("layer 10 residual", tuple(resid.shape), "attention pattern", tuple(pattern.shape))
-    lens = model.logit_lens(PROMPT)[0]
-    print("logit lens, top token per layer:", [model.tokenizer.decode(i) for i in lens.argmax(-1).tolist()])
-    direction = model.lm_head._module.weight[model.tokenizer.encode(" London")[0]].detach()
-    with model.trace(PROMPT):
-        model.steer(range(10, 20), direction / direction.norm(), factor=40.0)
-        steered = model.next_token_probs.save()
-    print("steered towards ' London':", model.tokenizer.decode(steered[0].argmax()), round(steered[0].max().item(), 3))
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0] if argv else "harvest-demo")
+    result = harvest(str(smollm2()), str(CORPUS), ["layers.*.layer_output"], out, context_length=128)
+    first = next(iter(result))
+    print(f"activations: {result.path.resolve()}")
+    print(f"  {len(result)} tokens x {len(result.values)} values, in {len(result.shards)} shard(s), e.g.")
+    resid, tokens = first["layers.10.layer_output"], first["token_ids"]
+    print(f"  first shard: layers.10.layer_output {tuple(resid.shape)}, token_ids {tuple(tokens.shape)}")
+    print("load them with:")
+    print("  from nnterp_vllm import load_harvest")
+    print(f"  harvest = load_harvest({str(result.path)!r})")
+    print("  resid = harvest.load('layers.10.layer_output'); tokens = harvest.load('token_ids')")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,291 @@
+"""Harvesting: values equal direct traces, shards and manifest, resuming after SIGKILL, bounded memory, errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny
+import torch
+
+from nnterp_vllm import StandardizedTransformer, load_harvest
+from nnterp_vllm.harvest import HarvestError, harvest
+from nnterp_vllm.harvest import store as store_module
+from nnterp_vllm.harvest.corpus import CorpusError
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards hex bold jumping zebras".split()
+
+
+def documents(count: int, seed: int = 0) -> list[str]:
+    """``count`` documents of 3..40 words, one in nine empty, deterministic."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = []
+    for i in range(count):
+        length = 0 if i % 9 == 4 else int(torch.randint(3, 40, (1,), generator=generator))
+        picks = torch.randint(0, len(WORDS), (length,), generator=generator).tolist()
+        docs.append(" ".join(WORDS[j] for j in picks))
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_path():
+    return tiny.checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    return StandardizedTransformer(llama_path)
+
+
+def shard_digests(out: Path) -> dict[str, str]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {record["file"]: record["sha256"] for record in manifest["shards"].values()}
+
+
+def test_values_equal_a_direct_trace(llama, tmp_path):
+    docs = documents(12)
+    result = harvest(
+        llama,
+        docs,
+        ["layers.*.layer_output", "layers.1.self_attn.attention_probabilities", "final_norm_output"],
+        tmp_path / "out",
+        context_length=48,
+        shard_bytes=40_000,
+        progress=False,
+    )
+    assert len(result.shards) > 1
+    result.verify()
+    columns = {name: result.load(name) for name in ("documents", "offsets", "token_ids", "layers.2.layer_output")}
+    pattern = result.load("layers.1.self_attn.attention_probabilities")
+    assert pattern.shape[1:] == (llama.num_heads, 48)
+    bos = llama.tokenizer.bos_token_id
+    for index, doc in enumerate(docs):
+        mine = columns["documents"] == index
+        if not doc:
+            assert not mine.any()
+            continue
+        ids = [bos, *llama.tokenizer(doc, add_special_tokens=False)["input_ids"]][:48]
+        assert columns["token_ids"][mine].tolist() == ids
+        assert columns["offsets"][mine].tolist() == list(range(len(ids)))
+        with llama.trace(torch.tensor([ids])):
+            expected_pattern = llama.layers[1].self_attn.attention_probabilities.save()
+            expected = llama.layers[2].layer_output.save()
+        torch.testing.assert_close(columns["layers.2.layer_output"][mine], expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            pattern[mine][..., : len(ids)], expected_pattern[0].transpose(0, 1), atol=1e-6, rtol=1e-5
+        )
+        assert torch.count_nonzero(pattern[mine][..., len(ids) :]) == 0
+    manifest = result.manifest
+    assert manifest["complete"] and manifest["stats"]["empty"] == docs.count("") == 1
+    assert manifest["engine"] == "transformers"
+    assert manifest["values"]["layers.0.layer_output"]["shape"] == [llama.hidden_size]
+    assert manifest["context"]["context_length"] == 48
+
+
+def test_last_positions_and_masks(llama, tmp_path):
+    docs = documents(6)
+    last = harvest(llama, docs, ["layers.0.layer_output"], tmp_path / "last", positions="last", progress=False)
+    assert len(last) == sum(1 for doc in docs if doc)
+    assert (last.load("offsets") > 0).all()
+    masked = harvest(
+        llama,
+        docs,
+        ["layers.0.layer_output"],
+        tmp_path / "mask",
+        positions=lambda ids: [i % 2 == 0 for i in range(len(ids))],
+        progress=False,
+    )
+    assert (masked.load("offsets") % 2 == 0).all()
+
+
+def test_loader_and_hf_dataset(llama, tmp_path):
+    result = harvest(llama, documents(5), ["layers.1.mlp_output"], tmp_path / "out", progress=False)
+    dataset = result.to_hf_dataset(tmp_path / "dataset")
+    assert len(dataset) == len(result)
+    torch.testing.assert_close(torch.tensor(dataset[3]["layers.1.mlp_output"]), result.load("layers.1.mlp_output")[3])
+    assert (tmp_path / "dataset" / "dataset_info.json").exists()
+    reopened = load_harvest(tmp_path / "out")
+    assert reopened.values == ["layers.1.mlp_output"] and len(reopened) == len(result)
+
+
+def test_split_and_pack_never_drop_tokens(llama, tmp_path):
+    docs = ["a " * 100, "b " * 10]
+    split = harvest(
+        llama, docs, ["layers.0.layer_output"], tmp_path / "split", context_length=32, overflow="split", progress=False
+    )
+    assert split.manifest["stats"]["split"] == 1
+    assert len(split) == sum(len(llama.tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1 for doc in docs)
+    packed = harvest(
+        llama, docs, ["layers.0.layer_output"], tmp_path / "pack", context_length=32, overflow="pack", progress=False
+    )
+    assert len(packed) >= len(split)
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(llama, tmp_path):
+    out = tmp_path / "out"
+    docs = documents(8)
+    harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    before = shard_digests(out)
+    harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    assert shard_digests(out) == before
+    with pytest.raises(HarvestError, match=r"other settings(.|\n)*values"):
+        harvest(llama, docs, ["layers.1.layer_output"], out, shard_bytes=20_000, progress=False)
+    replaced = harvest(llama, docs, ["layers.1.layer_output"], out, shard_bytes=20_000, overwrite=True, progress=False)
+    assert replaced.values == ["layers.1.layer_output"]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (["layers.*.no_such_value"], "unknown value 'layers.*.no_such_value'.*layers.<i>.layer_output"),
+        (["layers.9.layer_output"], r"layer\(s\) \[9\] do not exist.*num_layers=3"),
+        (["nonsense"], "unknown value 'nonsense'.*token_embeddings"),
+        ([], "no values to harvest"),
+        (["layers.0.self_attn.attention_probabilities"], "needs a context length"),
+    ],
+)
+def test_bad_values_fail_before_any_model_work(llama, tmp_path, values, message):
+    calls = []
+    handle = llama._module.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            harvest(llama, documents(3), values, tmp_path / "out", progress=False)
+    finally:
+        handle.remove()
+    assert not calls and not (tmp_path / "out").exists()
+
+
+def test_bad_corpus_names_file_and_line(llama, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(CorpusError, match=r"corpus.jsonl.*2"):
+        harvest(llama, corpus, ["layers.0.layer_output"], tmp_path / "out", progress=False)
+    with pytest.raises(CorpusError, match="missing.txt"):
+        harvest(llama, tmp_path / "missing.txt", ["layers.0.layer_output"], tmp_path / "out2", progress=False)
+
+
+def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path, monkeypatch):
+    docs = documents(10)
+    reference_out = tmp_path / "reference"
+    harvest(llama, docs, ["layers.0.layer_output"], reference_out, shard_bytes=20_000, progress=False)
+    out = tmp_path / "out"
+    real_save = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+    written = []
+
+    def save_then_fill_up(tensors, path, *args, **kwargs):
+        if written:
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr("safetensors.torch.save_file", save_then_fill_up)
+    with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):
+        harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.setattr("safetensors.torch.save_file", real_save)
+    harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    assert shard_digests(out) == shard_digests(reference_out)
+    assert store_module.MANIFEST == "manifest.json"
+
+
+HARVEST_SCRIPT = """
+import resource, sys
+from nnterp_vllm.harvest import harvest
+harvest(sys.argv[1], sys.argv[2], ["layers.*.layer_output"], sys.argv[3], shard_bytes=int(sys.argv[4]), progress=False)
+print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", HARVEST_SCRIPT, *map(str, args)], capture_output=True, text=True)
+
+
+def test_sigkill_at_any_moment_then_rerun_gives_identical_output(llama_path, tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(240, seed=5))
+    complete = tmp_path / "complete"
+    assert run_script(llama_path, corpus, complete, 30_000).returncode == 0
+    out = tmp_path / "killed"
+    for delay in (4.0, 6.0):
+        process = subprocess.Popen(
+            [sys.executable, "-c", HARVEST_SCRIPT, str(llama_path), str(corpus), str(out), "30000"]
+        )
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    finished = run_script(llama_path, corpus, out, 30_000)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert shard_digests(out) == shard_digests(complete)
+    assert sorted(path.name for path in out.iterdir()) == sorted(path.name for path in complete.iterdir())
+
+
+def test_memory_does_not_grow_with_the_corpus(llama_path, tmp_path):
+    peaks = []
+    for count in (60, 600):
+        corpus = write_jsonl(tmp_path / f"corpus{count}.jsonl", documents(count, seed=count))
+        result = run_script(llama_path, corpus, tmp_path / f"out{count}", 60_000)
+        assert result.returncode == 0, result.stderr[-2000:]
+        peaks.append(int(result.stdout.split("peak_kib")[-1]))
+    assert peaks[1] <= peaks[0] * 1.1 + 20_000, peaks
+
+
+def test_cli_harvest(llama_path, tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(6))
+    script = Path(sys.executable).with_name("nnterp-vllm")
+    command = [str(script), "harvest", str(llama_path), "--corpus", str(corpus), "--values", "layers.1.layer_output"]
+    result = subprocess.run([*command, "--out", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "load_harvest" in result.stdout and "harvested" in result.stdout
+    bad = subprocess.run(
+        [*command[:-1], "layers.1.nope", "--out", str(tmp_path / "bad")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown value 'layers.1.nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
+    from nnterp_vllm import StandardizedVLLM
+
+    docs = documents(7)
+    on_hf = harvest(llama_path, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "hf", progress=False)
+    model = StandardizedVLLM(llama_path, dtype="float32", dispatch=True)
+    try:
+        on_vllm = harvest(
+            model, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "vllm", progress=False
+        )
+    finally:
+        model.shutdown()
+    assert on_vllm.manifest["engine"] == "vllm"
+    assert torch.equal(on_vllm.load("token_ids"), on_hf.load("token_ids"))
+    for name in on_hf.values:
+        torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
+
+
+def test_ray_workers_write_what_one_worker_writes(llama_path, tmp_path):
+    docs = documents(30, seed=3)
+    single = harvest(
+        llama_path, docs, ["layers.*.layer_output"], tmp_path / "single", shard_bytes=15_000, progress=False
+    )
+    fanned = harvest(
+        llama_path, docs, ["layers.*.layer_output"], tmp_path / "ray", shard_bytes=15_000, workers=2, progress=False
+    )
+    assert len(fanned.shards) == len(single.shards) > 2
+    for name in ("token_ids", "documents", "offsets", "rows"):
+        assert torch.equal(fanned.load(name), single.load(name))
+    for name in single.values:
+        torch.testing.assert_close(fanned.load(name), single.load(name), atol=1e-6, rtol=1e-6)
