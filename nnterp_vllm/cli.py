@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     harvest.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to each document")
     harvest.add_argument("--text-field", default="text", help="the JSONL / dataset field holding the text")
     harvest.add_argument("--batch-size", type=int, default=8, help="rows per forward on transformers")
-    harvest.add_argument("--shard-mb", type=float, default=64.0, help="approximate size of a shard")
+    harvest.add_argument("--shard-mb", type=float, default=256.0, help="approximate size of a shard")
     harvest.add_argument("--dtype", help="dtype the activations are stored in (default: the model's)")
     harvest.add_argument("--model-dtype", help="dtype to load the model in")
     harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")

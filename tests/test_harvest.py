@@ -182,24 +182,23 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     reference_out = tmp_path / "reference"
     harvest(llama, docs, ["layers.0.layer_output"], reference_out, shard_bytes=20_000, progress=False)
     out = tmp_path / "out"
-    real_save = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+    real_write = store_module.write_tensors
     written = []
 
-    def save_then_fill_up(tensors, path, *args, **kwargs):
+    def write_then_fill_up(path, tensors):
         if written:
-            Path(path).write_bytes(b"partial")
+            Path(path).write_bytes(b"half a shard")
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(path)
-        return real_save(tensors, path, *args, **kwargs)
+        real_write(path, tensors)
 
-    monkeypatch.setattr("safetensors.torch.save_file", save_then_fill_up)
+    monkeypatch.setattr(store_module, "write_tensors", write_then_fill_up)
     with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
-    assert not list(out.glob("*.tmp"))
-    monkeypatch.setattr("safetensors.torch.save_file", real_save)
+    assert not list(out.glob("*.tmp")) and len(list(out.glob("*.safetensors"))) == 1
+    monkeypatch.setattr(store_module, "write_tensors", real_write)
     harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert shard_digests(out) == shard_digests(reference_out)
-    assert store_module.MANIFEST == "manifest.json"
 
 
 HARVEST_SCRIPT = """

@@ -83,12 +83,12 @@ def plan(row_stream: Iterator[Row], tokens_per_shard: int) -> Iterator[Unit]:
         yield unit
 
 
-def _kept(row: Row, positions: Any) -> torch.Tensor:
+def _kept(row: Row, positions: Any) -> slice | torch.Tensor:
     count = len(row.token_ids)
     if positions == "all":
-        return torch.ones(count, dtype=torch.bool)
+        return slice(None)
     if positions == "last":
-        return torch.arange(count) == count - 1
+        return slice(count - 1, count)
     mask = torch.as_tensor(positions(list(row.token_ids)), dtype=torch.bool)
     if mask.shape != (count,):
         raise ValueError(f"the positions mask has shape {tuple(mask.shape)}; expected one flag per token, ({count},)")
@@ -106,34 +106,39 @@ def compute(model: Any, unit: Unit, job: Job) -> dict[str, torch.Tensor]:
         columns["token_ids"].append(torch.tensor(row.token_ids, dtype=torch.int64)[kept])
         columns["documents"].append(torch.tensor(row.documents, dtype=torch.int64)[kept])
         columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
-        columns["rows"].append(torch.full((int(kept.sum()),), number, dtype=torch.int64))
+        columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
         for selection in job.selections:
             columns[selection.name].append(values[selection.name][kept].to(dtype))
     return {name: torch.cat(parts) for name, parts in columns.items()}
 
 
-def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
-    """Batches of rows sorted by length (little padding), right-padded; values per row, in row order."""
-    results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
+def batches(unit_rows: list[Row], batch_size: int, pad: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Rows sorted by length (little padding) in batches: ``(row numbers, input_ids, attention_mask)``, right-padded."""
     order = sorted(range(len(unit_rows)), key=lambda i: -len(unit_rows[i].token_ids))
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    for start in range(0, len(order), job.batch_size):
-        batch = order[start : start + job.batch_size]
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
         lengths = [len(unit_rows[i].token_ids) for i in batch]
         ids = torch.full((len(batch), max(lengths)), pad, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for slot, i in enumerate(batch):
             ids[slot, : lengths[slot]] = torch.tensor(unit_rows[i].token_ids)
             mask[slot, : lengths[slot]] = 1
+        yield batch, ids, mask
+
+
+def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
+    """Values per row, in row order, computed in `batches`."""
+    results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
         with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}):
             saved = nnsight.save({})
             for selection in job.selections:
                 saved[selection.name] = selection.read(model)
         for slot, i in enumerate(batch):
+            length = len(unit_rows[i].token_ids)
             results[i] = {
-                selection.name: selection.per_token(
-                    saved[selection.name][slot : slot + 1], lengths[slot], job.context_length
-                )
+                selection.name: selection.per_token(saved[selection.name][slot : slot + 1], length, job.context_length)
                 for selection in job.selections
             }
     return results
@@ -231,7 +236,7 @@ def harvest(
     add_bos: bool = True,
     text_field: str = "text",
     batch_size: int = 8,
-    shard_bytes: int = 64 * 2**20,
+    shard_bytes: int = 256 * 2**20,
     dtype: str | None = None,
     overwrite: bool = False,
     workers: int = 1,

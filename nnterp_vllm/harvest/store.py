@@ -113,14 +113,20 @@ class Store:
             raise HarvestError(f"cannot write the manifest in {self.out}: {error.strerror or error}") from error
 
 
-def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, Any]:
-    """Write one shard under a temporary name, then rename it; a failed write leaves nothing behind."""
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as one safetensors file at ``path``."""
     from safetensors.torch import save_file
 
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+
+
+def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, Any]:
+    """Write one shard under a temporary name, then rename it; a failed write leaves nothing behind."""
     path = Path(out) / shard_name(index)
     staging = path.with_name(path.name + ".tmp")
     try:
-        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(staging))
+        write_tensors(staging, tensors)
+        digest = sha256(staging)
         os.replace(staging, path)
     except OSError as error:
         staging.unlink(missing_ok=True)
@@ -128,7 +134,7 @@ def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record:
             f"cannot write {path.name} in {out}: {error.strerror or error}. The partial file was removed; "
             "free space (or fix permissions) and rerun the same command to resume."
         ) from error
-    return {**record, "file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path)}
+    return {**record, "file": path.name, "bytes": path.stat().st_size, "sha256": digest}
 
 
 @dataclass
