@@ -210,3 +210,32 @@ def test_nnsight_save_of_a_container_works_on_vllm(engines):
     with on_vllm.trace(reference.PROMPT, **greedy()):
         saved = nnsight.save([on_vllm.layers[0].layer_output[:, -1]])
     assert saved[0].shape == (1, on_vllm.hidden_size)
+
+
+def test_tensor_parallel_serves_whole_values(monkeypatch):
+    """Two CPU ranks: heads and vocabulary are split across them; every value comes back whole and equal."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    path = tiny.checkpoint("llama")
+    on_vllm = StandardizedVLLM(path, dtype="float32", tensor_parallel_size=2, dispatch=True)
+    on_hf = StandardizedTransformer(path)
+    names = ("attention_queries", "attention_keys", "attention_premix", "attention_head_outputs")
+    try:
+        results = []
+        for model, kwargs in ((on_vllm, greedy()), (on_hf, {})):
+            saved = []
+            with model.trace(reference.PROMPT, **kwargs):
+                for name in names:
+                    saved.append(getattr(model.layers[1].self_attn, name).save())
+                model.steer(1, torch.ones(model.hidden_size), factor=0.5)
+                saved.append(model.layers[2].layer_output.save())
+                saved.append(model.logits.save())
+            results.append(saved)
+        for vllm_value, hf_value in zip(*results):
+            close(vllm_value, hf_value)
+        with on_vllm.trace(reference.PROMPT, **greedy()):
+            attention = on_vllm.layers[0].self_attn
+            attention.attention_values = torch.zeros_like(attention.attention_values)
+            silenced = on_vllm.layers[0].attention_output.save()
+        assert torch.count_nonzero(silenced) == 0
+    finally:
+        on_vllm.shutdown()

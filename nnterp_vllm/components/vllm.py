@@ -52,6 +52,44 @@ class Flat(Value):
         return flat(super().accept(host, value), self.name)
 
 
+def tensor_parallel() -> tuple[int, int]:
+    """``(world size, rank)`` of the tensor-parallel group this code runs in (inside a trace, on a worker)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def gathered(local: torch.Tensor) -> torch.Tensor:
+    """Every tensor-parallel rank's slice of the last axis, concatenated in rank order (on one rank: itself)."""
+    size, _ = tensor_parallel()
+    if size == 1:
+        return local
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(local.contiguous(), dim=-1)
+
+
+class Heads(Flat):
+    """A per-head value of which each tensor-parallel rank holds its own heads: gathered on read, cut on write."""
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        return super().serve(host, gathered(part))
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        whole = super().accept(host, value)
+        size, rank = tensor_parallel()
+        return whole if size == 1 else whole.chunk(size, dim=-1)[rank].clone()
+
+
+def kv_split_reason(attention: Envoy) -> str | None:
+    """Why keys and values cannot be gathered whole: fewer key/value heads than tensor-parallel ranks."""
+    size = attention.root._tensor_parallel_size
+    heads = attention.root.num_kv_heads
+    if heads % size:
+        return f"{heads} key/value heads are replicated, not split, over {size} tensor-parallel ranks"
+    return None
+
+
 def heads_first(host: Envoy, value: torch.Tensor) -> torch.Tensor:
     """``[1, tokens, heads * head_dim]`` -> ``[1, heads, tokens, head_dim]``."""
     head_dim = host.head_size
@@ -150,22 +188,29 @@ class Attention(Standard):
 
     attention_output = Flat("output", description="The attention module's output [1, seq, hidden]")
 
-    @Flat("{self.KERNEL}.inputs", select=0, description="Queries after rotary [1, heads, seq, head_dim]")
+    @Heads("{self.KERNEL}.inputs", select=0, description="Queries after rotary [1, heads, seq, head_dim]")
     def attention_queries(self, value: Any) -> Any:
         """The queries entering the attention kernel, after any rotary embedding."""
         return heads_first(self, value)
 
-    @Flat("{self.KERNEL}.inputs", select=1, description="Keys after rotary [1, kv_heads, seq, head_dim]")
+    @Heads(
+        "{self.KERNEL}.inputs",
+        select=1,
+        description="Keys after rotary [1, kv_heads, seq, head_dim]",
+        unavailable=kv_split_reason,
+    )
     def attention_keys(self, value: Any) -> Any:
         """The keys entering the attention kernel, before grouped-query repetition."""
         return heads_first(self, value)
 
-    @Flat("{self.KERNEL}.inputs", select=2, description="Values [1, kv_heads, seq, head_dim]")
+    @Heads(
+        "{self.KERNEL}.inputs", select=2, description="Values [1, kv_heads, seq, head_dim]", unavailable=kv_split_reason
+    )
     def attention_values(self, value: Any) -> Any:
         """The values entering the attention kernel, before grouped-query repetition."""
         return heads_first(self, value)
 
-    @Flat("{self.KERNEL}.output", description="Per-head mixed values [1, seq, heads, head_dim]")
+    @Heads("{self.KERNEL}.output", description="Per-head mixed values [1, seq, heads, head_dim]")
     def attention_premix(self, value: Any) -> Any:
         """Each head's mix of the values, before the output projection."""
         return value.view(*value.shape[:2], -1, self.head_size)

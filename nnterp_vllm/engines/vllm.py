@@ -17,7 +17,7 @@ from nnsight.intervention.interleaver import Mediator
 
 from .. import families
 from ..components import WHOLE, Derived, Layers, Value, first_tensor
-from ..components.vllm import Flat, flat
+from ..components.vllm import Flat, flat, gathered
 from ..standardized import Standardized, family_gaps
 from .vllm_platform import PlatformVLLM, shutdown
 
@@ -95,6 +95,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         family = family or families.lookup(self._model_type(config), engine=families.VLLM)
         self._serve_with(family)
+        self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
         super().__init__(
@@ -123,11 +124,12 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         return first_tensor(self.norm(hidden.reshape(-1, shape[-1]))).reshape(shape)
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head._module.weight[: self.vocab_size]
-        return torch.nn.functional.linear(normed, weight.to(normed.dtype))
+        # Each tensor-parallel rank holds a slice of the (padded) vocabulary.
+        local = torch.nn.functional.linear(normed, self.lm_head._module.weight.to(normed.dtype))
+        return gathered(local)[..., : self.vocab_size]
 
     def _unembedding(self) -> torch.Tensor:
-        # The weights live in the engine; fetch the unpadded head once per call.
+        # The weights live in the engine: fetch the head, whole and unpadded.
         with self.trace(" ", max_tokens=1):
-            weight = self.lm_head._module.weight[: self.vocab_size].clone().save()
+            weight = gathered(self.lm_head._module.weight.t()).t()[: self.vocab_size].clone().save()
         return weight
