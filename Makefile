@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench coverage clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/engines.py
+	$(PY) benchmarks/harvest.py
+
+# Regenerates COVERAGE.md (every causal-LM model_type in transformers; about 15 minutes).
+coverage: install
+	$(PY) tests/family_coverage.py
 
 clean:
 	rm -rf $(VENV) .cache

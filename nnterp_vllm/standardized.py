@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .components import Derived, Standard, Value, values_of
+from . import families
+from .components import Derived, Layers, Standard, Value, values_of
 
 LayerSelection = int | Iterable[int]
 Positions = int | slice | Iterable[int] | None
@@ -76,6 +77,18 @@ class Indexed:
         return self.model.num_layers
 
 
+class Migration:
+    """An nnterp spelling, ``model.layers_output[i]``, for one value of every block (or of its ``child``)."""
+
+    def __init__(self, value: str, child: str | None = None) -> None:
+        self.value, self.child = value, child
+        where = f"layers[i].{child}" if child else "layers[i]"
+        self.__doc__ = f"``model.<this>[i]`` is ``model.{where}.{value}``, readable and writable."
+
+    def __get__(self, model: Any, owner: Any = None) -> Any:
+        return self if model is None else Indexed(model, self.value, self.child)
+
+
 def _next_token_probs(model: Standardized) -> torch.Tensor:
     return torch.softmax(model.logits[:, -1, :].float(), dim=-1)
 
@@ -122,30 +135,11 @@ class Standardized:
 
     # -- nnterp migration aliases ---------------------------------------------
 
-    @property
-    def layers_input(self) -> Indexed:
-        """``model.layers_input[i]`` is ``model.layers[i].layer_input``."""
-        return Indexed(self, "layer_input")
-
-    @property
-    def layers_output(self) -> Indexed:
-        """``model.layers_output[i]`` is ``model.layers[i].layer_output``."""
-        return Indexed(self, "layer_output")
-
-    @property
-    def attentions_output(self) -> Indexed:
-        """``model.attentions_output[i]`` is ``model.layers[i].attention_output``."""
-        return Indexed(self, "attention_output")
-
-    @property
-    def mlps_output(self) -> Indexed:
-        """``model.mlps_output[i]`` is ``model.layers[i].mlp_output``."""
-        return Indexed(self, "mlp_output")
-
-    @property
-    def attention_probabilities(self) -> Indexed:
-        """``model.attention_probabilities[i]`` is ``model.layers[i].self_attn.attention_probabilities``."""
-        return Indexed(self, "attention_probabilities", child="self_attn")
+    layers_input = Migration("layer_input")
+    layers_output = Migration("layer_output")
+    attentions_output = Migration("attention_output")
+    mlps_output = Migration("mlp_output")
+    attention_probabilities = Migration("attention_probabilities", child="self_attn")
 
     # -- loading --------------------------------------------------------------
 
@@ -169,6 +163,28 @@ class Standardized:
             raise OSError(
                 f"could not read a config for {path!r}: it is not a local directory, and the hub answered: {error}"
             ) from error
+
+    def _maps(
+        self,
+        checkpoint: Any,
+        family: Any,
+        rename: dict[str, str] | None,
+        envoys: dict[Any, type] | None,
+        kwargs: dict[str, Any],
+        base_envoys: dict[Any, type],
+    ) -> dict[str, dict]:
+        """Read the config, settle the family, and merge the ``rename``/``envoys`` maps nnsight gets.
+
+        Later keys win: the engine's base envoys (tensor-parallel ones on a sharded load), then
+        the family's, then the caller's.
+        """
+        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        family = family or families.lookup(self._model_type(config), engine=self.ENGINE)
+        self._serve_with(family)
+        return {
+            "rename": {**family.RENAME, **(rename or {})},
+            "envoys": {**base_envoys, "layers": Layers, **family.ENVOYS, **(envoys or {})},
+        }
 
     @staticmethod
     def _model_type(config: Any) -> str:

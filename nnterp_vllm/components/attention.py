@@ -8,7 +8,7 @@ import torch
 from nnsight.intervention.envoy import Envoy
 
 from .standard import Standard
-from .values import WHOLE, Value, first_tensor
+from .values import FIRST, WHOLE, Value, first_tensor
 
 #: The call every family on transformers' shared attention path makes:
 #: ``attention_interface(module, query, key, value, attention_mask, ...)``.
@@ -70,6 +70,16 @@ def projection_bias(host: Envoy) -> torch.Tensor:
     return project(host.output_projection, torch.zeros(1, width, dtype=parameter.dtype, device=parameter.device))[0]
 
 
+def interior(key: str, description: str, select: Any = FIRST) -> Value:
+    """A value read around the attention's interface call, unavailable where `Attention.interior_reason` says."""
+    return Value(key, select=select, description=description, unavailable=lambda attention: attention.interior_reason())
+
+
+def argument(position: int) -> Any:
+    """``select`` for the queries (0), keys (1) or values (2) among the interface call's arguments."""
+    return lambda attention: attention.QKV_ARGS[position]
+
+
 class Attention(Standard):
     """A softmax-attention module.
 
@@ -107,60 +117,35 @@ class Attention(Standard):
         """The attention module's output, a tensor even when the module returns a tuple."""
         return value
 
-    @Value(
+    attention_queries = interior(
         "source.{self.INTERFACE}.inputs",
-        select=lambda attention: attention.QKV_ARGS[0],
-        description="Queries after rotary [batch, heads, seq, head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
+        "Queries as they enter the score product, after rotary [batch, heads, seq, head_dim]",
+        select=argument(0),
     )
-    def attention_queries(self, value: Any) -> Any:
-        """The queries as they enter the score product, after any rotary embedding."""
-        return value
-
-    @Value(
+    attention_keys = interior(
         "source.{self.INTERFACE}.inputs",
-        select=lambda attention: attention.QKV_ARGS[1],
-        description="Keys after rotary, before GQA repetition [batch, kv_heads, seq, head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
+        "Keys after rotary, before grouped-query repetition [batch, kv_heads, seq, head_dim]",
+        select=argument(1),
     )
-    def attention_keys(self, value: Any) -> Any:
-        """The keys as they enter the score product, before grouped-query repetition."""
-        return value
-
-    @Value(
+    attention_values = interior(
         "source.{self.INTERFACE}.inputs",
-        select=lambda attention: attention.QKV_ARGS[2],
-        description="Values before GQA repetition [batch, kv_heads, seq, head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
+        "Values before grouped-query repetition [batch, kv_heads, seq, head_dim]",
+        select=argument(2),
     )
-    def attention_values(self, value: Any) -> Any:
-        """The values the pattern mixes, before grouped-query repetition."""
-        return value
-
-    @Value(
+    attention_scores = interior(
         "source.{self.INTERFACE}.source.{self.SCORES}",
-        description="Scaled, masked scores before the softmax [batch, heads, seq, seq]",
-        unavailable=lambda attention: attention.interior_reason(),
+        "Scaled, masked scores entering the softmax [batch, heads, seq, seq]",
     )
-    def attention_scores(self, value: Any) -> Any:
-        """The scaled and masked scores entering the softmax."""
-        return value
-
-    @Value(
+    attention_probabilities = interior(
         "source.{self.INTERFACE}.source.{self.PROBABILITIES}",
+        "The pattern the values are mixed with, rows sum to 1 [batch, heads, seq, seq]",
         select=WHOLE,
-        description="The attention pattern, rows sum to 1 [batch, heads, seq, seq]",
-        unavailable=lambda attention: attention.interior_reason(),
     )
-    def attention_probabilities(self, value: Any) -> Any:
-        """The post-softmax pattern the values are mixed with."""
-        return value
 
-    @Value(
+    @interior(
         "source.{self.INTERFACE}.output",
+        "Per-head mixed values before the output projection [batch, seq, heads, head_dim]",
         select=0,
-        description="Per-head mixed values before the output projection [batch, seq, heads, head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
     )
     def attention_premix(self, value: Any) -> Any:
         """Each head's mix of the values, before the heads are concatenated and projected."""

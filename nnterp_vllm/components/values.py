@@ -64,6 +64,7 @@ class Value(eproperty):
         writable: bool = True,
     ) -> None:
         super().__init__(key=key, description=description)
+        self.__doc__ = description
         self.select = select
         self.unavailable = unavailable
         self.writable = writable

@@ -9,7 +9,6 @@ import torch
 from nnsight import TransformersModel
 
 from .. import families
-from ..components import Layers
 from ..families import default
 from ..standardized import Standardized
 
@@ -45,21 +44,14 @@ class StandardizedTransformer(Standardized, TransformersModel):
         envoys: dict[Any, type] | None = None,
         **kwargs: Any,
     ) -> None:
-        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
-        family = family or families.lookup(self._model_type(config))
-        self._serve_with(family)
+        from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
+
+        base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
+        maps = self._maps(checkpoint, family, rename, envoys, kwargs, base)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
             checkpoint = str(checkpoint)
         kwargs.setdefault("task", "text-generation")
-        from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
-
-        base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
-        super().__init__(
-            checkpoint,
-            rename={**family.RENAME, **(rename or {})},
-            envoys={**base, "layers": Layers, **family.ENVOYS, **(envoys or {})},
-            **kwargs,
-        )
-        if family is default:
+        super().__init__(checkpoint, **maps, **kwargs)
+        if self.family is default:
             default.check(self)

@@ -16,7 +16,7 @@ import torch
 from nnsight.intervention.interleaver import Mediator
 
 from .. import families
-from ..components import WHOLE, Derived, Layers, Value, first_tensor
+from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.vllm import Flat, flat, gathered
 from ..standardized import Standardized, family_gaps
 from .vllm_platform import PlatformVLLM, shutdown
@@ -92,18 +92,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
                 "enable_prefix_caching=True is refused: cached KV state computed under one request's "
                 "intervention would be reused by other requests. Leave it off (the default)."
             )
-        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
-        family = family or families.lookup(self._model_type(config), engine=families.VLLM)
-        self._serve_with(family)
-        self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        super().__init__(
-            str(checkpoint),
-            rename={**family.RENAME, **(rename or {})},
-            envoys={**parallel_envoys(), "layers": Layers, **family.ENVOYS, **(envoys or {})},
-            **kwargs,
-        )
+        maps = self._maps(checkpoint, family, rename, envoys, kwargs, parallel_envoys())
+        self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
+        super().__init__(str(checkpoint), **maps, **kwargs)
 
     @staticmethod
     def _sampling_kwargs(kwargs: dict) -> dict:

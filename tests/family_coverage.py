@@ -1,0 +1,243 @@
+"""Family coverage: every causal-LM model_type in transformers, served with verified values or refused with a reason.
+
+For each model_type in transformers' causal-LM auto mapping this builds a tiny random
+checkpoint (tests/tiny.py), loads it with StandardizedTransformer (its family module, or the
+default family), reads ``support()``, and runs the per-family verification
+(tests/test_families.py: hidden states, attention pattern, residual identity, head
+decomposition, writes, skip, steer) on it. A value counts as served only where support()
+claims it and the tests that verify it pass. The same is then done with the default family
+serving every type. The result is COVERAGE.md.
+
+    python tests/family_coverage.py                      # every type; rewrites COVERAGE.md
+    python tests/family_coverage.py --types llama,gpt2   # a few types; prints the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "COVERAGE.md"
+#: Table columns: a value (or an operation) and the tests of tests/test_families.py that verify it.
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "layer_output": ("test_hidden_states_and_attentions_match_transformers", "test_support_is_honest"),
+    "attention_output": ("test_residual_identity",),
+    "mlp_output": ("test_residual_identity",),
+    "self_attn.attention_probabilities": ("test_hidden_states_and_attentions_match_transformers",),
+    "self_attn.attention_queries": (
+        "test_queries_keys_values_shapes",
+        "test_writing_keys_equal_gives_uniform_causal_pattern",
+    ),
+    "self_attn.attention_head_outputs": ("test_head_decomposition", "test_writing_values_and_heads"),
+    "write": ("test_writing_layer_output_matches_a_hook",),
+    "skip": ("test_skip_layers_hands_input_on",),
+    "steer": ("test_steer_equals_adding_by_hand",),
+}
+HEADERS = {
+    "layer_output": "layer_output",
+    "attention_output": "attention_output",
+    "mlp_output": "mlp_output",
+    "self_attn.attention_probabilities": "pattern",
+    "self_attn.attention_queries": "q/k/v/scores",
+    "self_attn.attention_head_outputs": "heads",
+    "write": "write",
+    "skip": "skip",
+    "steer": "steer",
+}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".replace("\n", " ").replace("|", "/")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def probe(model_type: str, forced_default: bool) -> dict[str, Any]:
+    """Build and load one type; its family and support table, or why it could not be built or served."""
+    import tiny
+
+    from nnterp_vllm import StandardizedTransformer, UnsupportedFamily
+    from nnterp_vllm.families import default
+
+    try:
+        path = tiny.checkpoint(model_type)
+    except Exception as error:  # noqa: BLE001 - every failure is a row of the table
+        return {"status": "not built", "reason": short(error)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = StandardizedTransformer(path, family=default if forced_default else None)
+    except UnsupportedFamily as error:
+        return {"status": "refused", "reason": short(error)}
+    except Exception as error:  # noqa: BLE001
+        return {"status": "not loaded", "reason": short(error)}
+    family = model.family.__name__.rsplit(".", 1)[-1]
+    try:
+        table = model.support()
+    except Exception as error:  # noqa: BLE001
+        return {"status": "not loaded", "family": family, "reason": short(error)}
+    return {"status": "loaded", "family": family, "support": {k: v for k, v in table.items() if k != "engine"}}
+
+
+def run_tests(model_types: list[str], forced_default: bool) -> dict[str, dict[str, str]]:
+    """tests/test_families.py on ``model_types``: ``{type: {test name: passed|failed|skipped}}``."""
+    if not model_types:
+        return {}
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.xml"
+        environment = {**os.environ, "NNTERP_COVERAGE_TYPES": ",".join(model_types)}
+        if forced_default:
+            environment["NNTERP_COVERAGE_FAMILY"] = "default"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider"]
+        command += [str(ROOT / "tests" / "test_families.py"), f"--junitxml={report}"]
+        subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
+        outcomes: dict[str, dict[str, str]] = {}
+        for case in ElementTree.parse(report).iter("testcase"):
+            name = case.get("name", "")
+            test, _, parameters = name.partition("[")
+            parameters = parameters.rstrip("]")
+            model_type = next(
+                (
+                    t
+                    for t in model_types
+                    if parameters == t or parameters.startswith(f"{t}-") or parameters.endswith(f"-{t}")
+                ),
+                parameters,
+            )
+            outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else "passed"
+            if case.find("skipped") is not None:
+                outcome = "skipped"
+            previous = outcomes.setdefault(model_type, {}).get(test)
+            outcomes[model_type][test] = "failed" if "failed" in (previous, outcome) else outcome
+    return outcomes
+
+
+def owner(parameters: str, model_types: list[str]) -> str:
+    """The model_type a test id's parameters (``llama``, ``llama-scale``) belong to."""
+    padded = f"-{parameters}-"
+    matches = [model_type for model_type in model_types if f"-{model_type}-" in padded]
+    return max(matches, key=len) if matches else parameters
+
+
+def cell(column: str, row: dict[str, Any], outcomes: dict[str, str], reasons: list[str]) -> str:
+    """✓ verified, ✗ claimed but failing, or the reason it is unavailable (numbered below the table)."""
+    support = row["support"]
+    claim = support.get(column) if column in support else None
+    if claim:
+        reason = claim if isinstance(claim, str) else "; ".join(f"layer {k}: {v}" for k, v in claim.items())
+        if reason not in reasons:
+            reasons.append(reason)
+        return f"— [{reasons.index(reason) + 1}]"
+    results = [outcomes.get(test) for test in COLUMNS[column]]
+    if "failed" in results or not any(result == "passed" for result in results):
+        return "✗"
+    return "✓"
+
+
+def table(rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]) -> tuple[list[str], dict[str, int]]:
+    """The markdown table and the counts."""
+    reasons: list[str] = []
+    header = ["model_type", "family", *HEADERS.values()]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    counts = {"walked": len(rows), "every value verified": 0, "partially served": 0, "refused or not built": 0}
+    for model_type, row in sorted(rows.items()):
+        if row["status"] != "loaded":
+            if row["reason"] not in reasons:
+                reasons.append(row["reason"])
+            note = f"{row['status']} [{reasons.index(row['reason']) + 1}]"
+            lines.append(f"| {model_type} | {row.get('family', '—')} | {note} |" + " |" * (len(HEADERS) - 1))
+            counts["refused or not built"] += 1
+            continue
+        cells = [cell(column, row, outcomes.get(model_type, {}), reasons) for column in HEADERS]
+        verified = all(value == "✓" for value in cells)
+        counts["every value verified" if verified else "partially served"] += 1
+        lines.append(f"| {model_type} | {row['family']} | " + " | ".join(cells) + " |")
+    lines += ["", "Reasons:", ""] + [f"{i + 1}. {reason}" for i, reason in enumerate(reasons)]
+    return lines, counts
+
+
+def coverage(
+    model_types: list[str], forced_default: bool
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    rows = {model_type: probe(model_type, forced_default) for model_type in model_types}
+    loaded = [model_type for model_type, row in rows.items() if row["status"] == "loaded"]
+    return rows, run_tests(loaded, forced_default)
+
+
+def default_serves_layer_output(rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]) -> list[str]:
+    """The types on which the default family alone served a verified layer_output."""
+    return sorted(
+        model_type
+        for model_type, row in rows.items()
+        if row["status"] == "loaded" and cell("layer_output", row, outcomes.get(model_type, {}), []) == "✓"
+    )
+
+
+def document(model_types: list[str]) -> str:
+    from nnterp_vllm import families
+
+    known = set(families.known())
+    rows, outcomes = coverage(model_types, forced_default=False)
+    lines, counts = table(rows, outcomes)
+    default_rows, default_outcomes = coverage([t for t in model_types if t not in known], forced_default=True)
+    served = default_serves_layer_output(default_rows, default_outcomes)
+    alone_rows, alone_outcomes = coverage(model_types, forced_default=True)
+    alone = default_serves_layer_output(alone_rows, alone_outcomes)
+    summary = [
+        "# Family coverage",
+        "",
+        "Generated by `python tests/family_coverage.py` from transformers' causal-LM auto mapping; "
+        "`tests/test_coverage.py` fails when the rows for the family modules stop matching.",
+        "",
+        f"- model_types walked: {counts['walked']}; family modules: {len(known & set(model_types))}",
+        f"- served with every value verified: {counts['every value verified']}",
+        f"- served partially (— marks a value unavailable, with its reason): {counts['partially served']}",
+        f"- refused or not built (reason given): {counts['refused or not built']}",
+        f"- the default family alone, on the {len(default_rows)} types without a module: verified layer_output "
+        f"on {len(served)} ({', '.join(served) or 'none'})",
+        f"- the default family alone, on every type walked: verified layer_output on {len(alone)}",
+        "",
+        "✓ verified against transformers by tests/test_families.py; ✗ claimed but failing; "
+        "— unavailable (numbered reason below).",
+        "",
+    ]
+    return "\n".join(summary + lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", help="comma-separated model_types (default: the whole causal-LM mapping)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing COVERAGE.md")
+    args = parser.parse_args()
+    model_types = args.types.split(",") if args.types else causal_lm_types()
+    if args.json:
+        rows, outcomes = coverage(model_types, forced_default=False)
+        print(json.dumps({"rows": rows, "outcomes": outcomes}, default=str))
+        return
+    text = document(model_types)
+    if args.types:
+        print(text)
+    else:
+        OUTPUT.write_text(text)
+        print(f"wrote {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()
