@@ -19,7 +19,7 @@ from nnterp_vllm.families import default
 FAMILIES = [name for name in os.environ.get("NNTERP_COVERAGE_TYPES", "").split(",") if name] or families.known()
 FORCED_FAMILY = default if os.environ.get("NNTERP_COVERAGE_FAMILY") == "default" else None
 #: Families whose scores carry a position bias (ALiBi), so equal keys do not give a uniform pattern.
-POSITION_BIASED = {"bloom"}
+POSITION_BIASED = {"bloom", "mpt"}
 ATOL = 1e-5
 
 

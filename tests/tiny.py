@@ -70,8 +70,14 @@ def config_kwargs(model_type: str, **extra: Any) -> dict[str, Any]:
     """The config keys a tiny ``model_type`` checkpoint is built with: the SIZES its config class knows."""
     from transformers import CONFIG_MAPPING
 
-    defaults = CONFIG_MAPPING[model_type]()
-    known = {key: value for key, value in SIZES.items() if hasattr(defaults, key)}
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class()
+    # A size the class computes (a read-only property, like Falcon's head_dim) cannot be passed in.
+    known = {
+        key: value
+        for key, value in SIZES.items()
+        if hasattr(defaults, key) and not isinstance(getattr(config_class, key, None), property)
+    }
     return {**known, **OVERRIDES.get(model_type, {}), **extra}
 
 

@@ -23,12 +23,21 @@ GPT2_RENAME = {
 }
 
 
-def classes(module: str, layer: type = Layer, attention: type = Attention, mlp: type = Mlp) -> tuple[type, ...]:
-    """A family's own ``Layer``, ``Attention`` and ``Mlp``: subclasses of the given bases, owned by ``module``."""
-    return tuple(
-        type(base.__name__, (base,), {"__module__": module, "__qualname__": base.__name__})
-        for base in (layer, attention, mlp)
-    )
+def classes(
+    module: str, layer: type = Layer, attention: type = Attention, mlp: type = Mlp, **attention_names: Any
+) -> tuple[type, ...]:
+    """A family's own ``Layer``, ``Attention`` and ``Mlp``: subclasses of the given bases, owned by ``module``.
+
+    ``attention_names`` set the Attention's operation and module names (``OUTPUT_PROJECTION="dense"``).
+    """
+    made = []
+    # Named as the module binds them (``Layer, Attention, Mlp = classes(...)``), so pickle finds them.
+    for role, base in (("Layer", layer), ("Attention", attention), ("Mlp", mlp)):
+        namespace = {"__module__": module, "__qualname__": role}
+        if role == "Attention":
+            namespace.update(attention_names)
+        made.append(type(role, (base,), namespace))
+    return tuple(made)
 
 
 class PostNormLayer(Layer):

@@ -5,7 +5,6 @@ The block is parallel (attention and MLP read the same input) unless the config 
 
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
-from ..components import Attention
 from ._layouts import classes
 
 RENAME = {
@@ -17,9 +16,5 @@ RENAME = {
 }
 
 
-class GPTNeoXAttention(Attention):
-    OUTPUT_PROJECTION = "dense"
-
-
-Layer, Attention, Mlp = classes(__name__, attention=GPTNeoXAttention)
+Layer, Attention, Mlp = classes(__name__, OUTPUT_PROJECTION="dense")
 ENVOYS = {hf.GPTNeoXLayer: Layer, hf.GPTNeoXAttention: Attention, hf.GPTNeoXMLP: Mlp}
