@@ -49,6 +49,9 @@ for _module in sorted((Path(__file__).parent / "tiny_configs").glob("[!_]*.py"))
     _spec.loader.exec_module(_loaded)
     OVERRIDES.update(_loaded.OVERRIDES)
 
+#: A checkpoint larger than this did not take the tiny sizes (its config spells them otherwise).
+MAX_PARAMETERS = 20_000_000
+
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
@@ -94,6 +97,13 @@ def checkpoint(model_type: str, seed: int = 0, **extra: Any) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ValueError(
+            f"{model_type}'s config does not take the tiny sizes ({parameters / 1e6:.0f}M parameters); "
+            "add its own spellings to tests/tiny_configs/"
+        )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
