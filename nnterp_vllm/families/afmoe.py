@@ -1,0 +1,48 @@
+"""AFMoE (``AfmoeForCausalLM``): norms around each sublayer, a gated attention output, a sparse ``mlp``.
+
+Each sublayer's output is normed before it is added (``post_attention_layernorm``,
+``post_mlp_layernorm``): those norms' outputs are the contributions. The attention multiplies its
+per-head mix by a sigmoid gate before the output projection, so ``attention_premix`` is the gated
+mix, read at the projection's input (what the heads' outputs are made of). ``mlp`` is a dense
+MLP on the first ``num_dense_layers`` blocks, then a sparse block with shared experts.
+"""
+
+from typing import Any
+
+from transformers.models.afmoe import modeling_afmoe as hf
+
+from ..components import Attention as BaseAttention
+from ..components import Layer as BaseLayer
+from ..components import Value
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
+
+
+class AfmoeLayer(BaseLayer):
+    attention_output = Value("post_attention_layernorm.output", description=BaseLayer.attention_output.description)
+    mlp_output = Value("post_mlp_layernorm.output", description=BaseLayer.mlp_output.description)
+
+
+class GatedAttention(BaseAttention):
+    @Value(
+        "{self.OUTPUT_PROJECTION}.input",
+        description="Per-head gated mix of the values entering the output projection [batch, seq, heads, head_dim]",
+        unavailable=lambda attention: attention.interior_reason(),
+    )
+    def attention_premix(self, value: Any) -> Any:
+        """Each head's gated mix of the values, before the heads are projected."""
+        return value.unflatten(-1, (-1, self._module.head_dim))
+
+    @attention_premix.postprocess
+    def attention_premix(self, value: Any) -> Any:
+        return value.flatten(-2)
+
+
+Layer, Attention, Mlp = classes(__name__, layer=AfmoeLayer, attention=GatedAttention)
+ENVOYS = {
+    hf.AfmoeDecoderLayer: Layer,
+    hf.AfmoeAttention: Attention,
+    hf.AfmoeSparseMoeBlock: Mlp,
+    hf.AfmoeMLP: Mlp,
+}

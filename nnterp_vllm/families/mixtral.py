@@ -1,0 +1,10 @@
+"""Mixtral (``MixtralForCausalLM``): the llama layout with a sparse mixture-of-experts block as ``mlp``."""
+
+from transformers.models.mixtral import modeling_mixtral as hf
+
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
+
+Layer, Attention, Mlp = classes(__name__)
+ENVOYS = {hf.MixtralDecoderLayer: Layer, hf.MixtralAttention: Attention, hf.MixtralSparseMoeBlock: Mlp}
