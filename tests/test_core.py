@@ -102,8 +102,10 @@ def test_family_argument_skips_the_lookup():
 
 
 def test_unknown_model_type_is_served_by_default_with_honest_gaps():
-    path = tiny.checkpoint("mixtral")
-    with pytest.warns(UserWarning, match="'mixtral'"):
+    # Llama-like types with no family module yet (COVERAGE.md): the first still without one.
+    model_type = next(t for t in ("hyperclovax", "aria_text", "llama4_text") if t not in families.known())
+    path = tiny.checkpoint(model_type)
+    with pytest.warns(UserWarning, match=f"'{model_type}'"):
         model = StandardizedTransformer(path)
     assert model.family is default
     expected = reference.run(reference.load(path), output_hidden_states=True, output_attentions=True)
