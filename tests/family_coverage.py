@@ -196,10 +196,9 @@ def document(model_types: list[str]) -> str:
     known = set(families.known())
     rows, outcomes = coverage(model_types, forced_default=False)
     lines, counts = table(rows, outcomes)
-    default_rows, default_outcomes = coverage([t for t in model_types if t not in known], forced_default=True)
-    served = default_serves_layer_output(default_rows, default_outcomes)
-    alone_rows, alone_outcomes = coverage(model_types, forced_default=True)
-    alone = default_serves_layer_output(alone_rows, alone_outcomes)
+    alone = default_serves_layer_output(*coverage(model_types, forced_default=True))
+    without_module = [t for t in model_types if t not in known]
+    served = [t for t in alone if t not in known]
     summary = [
         "# Family coverage",
         "",
@@ -210,7 +209,7 @@ def document(model_types: list[str]) -> str:
         f"- served with every value verified: {counts['every value verified']}",
         f"- served partially (— marks a value unavailable, with its reason): {counts['partially served']}",
         f"- refused or not built (reason given): {counts['refused or not built']}",
-        f"- the default family alone, on the {len(default_rows)} types without a module: verified layer_output "
+        f"- the default family alone, on the {len(without_module)} types without a module: verified layer_output "
         f"on {len(served)} ({', '.join(served) or 'none'})",
         f"- the default family alone, on every type walked: verified layer_output on {len(alone)}",
         "",

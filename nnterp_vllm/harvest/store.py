@@ -89,10 +89,6 @@ class Store:
         """The indices of the shards already written."""
         return {int(index) for index in self.manifest["shards"]}
 
-    def write_shard(self, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, Any]:
-        """Write shard ``index`` atomically and return its manifest record (not yet in the manifest)."""
-        return write_shard(self.out, index, tensors, record)
-
     def add(self, index: int, record: dict[str, Any], stats: dict[str, Any]) -> None:
         """Record a written shard and the running totals, rewriting the manifest atomically."""
         self.manifest["shards"][str(index)] = record
