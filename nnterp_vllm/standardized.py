@@ -288,7 +288,8 @@ class Standardized:
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for a residual-stream state: the final norm, the head, and whatever the family does after it.
 
-        The family's ``post_head(model, logits)`` (a soft cap, a scale) runs last where it has one.
+        The family's ``post_head(model, logits)`` (a soft cap, a scale) runs last where it has one;
+        its ``final_norm(model, hidden)`` replaces the final norm where the model has none or calls it otherwise.
         """
         logits = self._unembed(self._final_norm(hidden))
         return self._post_head(logits)
@@ -298,7 +299,8 @@ class Standardized:
         return post_head(self, logits) if callable(post_head) else logits
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+        final_norm = getattr(self.family, "final_norm", None)
+        return final_norm(self, hidden) if callable(final_norm) else self.norm(hidden)
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
         return self.lm_head(normed)

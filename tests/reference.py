@@ -50,3 +50,40 @@ def with_block_output(model: Any, layer: int, edit: Callable[[torch.Tensor, torc
         return run(model).logits
     finally:
         handle.remove()
+
+
+def output_of(model: Any, path: str) -> Any:
+    """What module ``path`` of a plain model returns on `PROMPT`."""
+    seen: list[Any] = []
+    handle = model.get_submodule(path).register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        run(model)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def inputs_of(model: Any, path: str) -> tuple:
+    """The positional arguments module ``path`` of a plain model is called with on `PROMPT`."""
+    seen: list[tuple] = []
+    handle = model.get_submodule(path).register_forward_pre_hook(lambda module, args: seen.append(args))
+    try:
+        run(model)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def with_input_edit(model: Any, path: str, position: int, edit: Callable[[Any], Any]) -> Any:
+    """The logits with positional argument ``position`` of module ``path`` replaced by ``edit(argument)``."""
+
+    def hook(module: Any, args: tuple) -> tuple:
+        args = list(args)
+        args[position] = edit(args[position])
+        return tuple(args)
+
+    handle = model.get_submodule(path).register_forward_pre_hook(hook)
+    try:
+        return run(model).logits
+    finally:
+        handle.remove()

@@ -9,6 +9,7 @@ import pytest
 import reference
 import tiny
 import torch
+from nnsight.intervention.envoy import Envoy
 
 from nnterp_vllm import StandardizedTransformer, UnavailableValue, families
 from nnterp_vllm.components import Value
@@ -68,31 +69,41 @@ def test_hidden_states_and_attentions_match_transformers(pair):
             if served(model, "self_attn.attention_probabilities", i):
                 patterns.append((i, block.self_attn.attention_probabilities.save()))
             outputs.append(block.layer_output.save())
-        final = model.final_norm_output.save()
+        final = model.final_norm_output.save() if model.support()["final_norm_output"] is None else None
         logits = model.logits.save()
     close(first_input, expected.hidden_states[0])
     for i, output in enumerate(outputs[:-1]):
         close(output, expected.hidden_states[i + 1])
-    close(final, expected.hidden_states[-1])
+    close(final if final is not None else outputs[-1], expected.hidden_states[-1])
     for i, pattern in patterns:
         close(pattern, expected.attentions[i])
         close(pattern.sum(-1), torch.ones_like(pattern.sum(-1)))
     close(logits, expected.logits)
 
 
+def has_module(block, name):
+    return isinstance(block.__dict__.get(name), Envoy)
+
+
 def test_residual_identity(pair):
+    """``layer_output == layer_input + mixer_output + mlp_output``; the mixer is the attention where it is one."""
     _, model, _ = pair
     rows = []
     with model.trace(reference.PROMPT):
         for i, block in enumerate(model.layers):
-            if served(model, "attention_output", i) and served(model, "mlp_output", i):
-                layer_input = block.layer_input.save()
-                attention_output = block.attention_output.save()
-                mlp_output = block.mlp_output.save()
-                rows.append((layer_input, attention_output, mlp_output, block.layer_output.save()))
-    assert rows or model.support()["attention_output"], "no block verified"
-    for layer_input, attention_output, mlp_output, layer_output in rows:
-        close(layer_input + attention_output + mlp_output, layer_output)
+            with_mlp = has_module(block, "mlp")
+            if not served(model, "mixer_output", i) or (with_mlp and not served(model, "mlp_output", i)):
+                continue
+            layer_input = block.layer_input.save()
+            attention_output = block.attention_output.save() if served(model, "attention_output", i) else None
+            mixer_output = block.mixer_output.save()
+            mlp_output = block.mlp_output.save() if with_mlp else 0
+            rows.append((layer_input, attention_output, mixer_output, mlp_output, block.layer_output.save()))
+    assert rows or model.support()["mixer_output"], "no block verified"
+    for layer_input, attention_output, mixer_output, mlp_output, layer_output in rows:
+        close(layer_input + mixer_output + mlp_output, layer_output)
+        if attention_output is not None:
+            close(attention_output, mixer_output)
 
 
 def test_head_decomposition(pair):
@@ -208,6 +219,79 @@ def test_steer_equals_adding_by_hand(pair):
         return out
 
     close(logits, reference.with_block_output(hf, 1, add), atol=1e-4)
+
+
+def routed_layers(model, name="mlp.router_logits"):
+    layers = [i for i in range(model.num_layers) if served(model, name, i)]
+    if not layers:
+        pytest.skip(f"{name} is not served on this family: {model.support()[name]}")
+    return layers
+
+
+def native(model, envoy):
+    """The plain model's path of an envoy's module (the standardized root wraps the model as ``model``)."""
+    return envoy.path.split(".", 1)[1]
+
+
+def test_project_on_vocab_of_the_last_block_gives_the_logits(pair):
+    _, model, _ = pair
+    if model.family is default or FORCED_FAMILY:
+        pytest.skip("the default family refuses project_on_vocab")
+    with model.trace(reference.PROMPT):
+        projected = model.project_on_vocab(model.layers[-1].layer_output).save()
+        logits = model.logits.save()
+    close(projected, logits, atol=1e-4)
+
+
+def test_router_logits_match_transformers(pair):
+    """Against transformers' ``output_router_logits`` where it records exactly one router per sparse block, and
+    always against a hook on each router module."""
+    _, model, hf = pair
+    layers = routed_layers(model)
+    recorded = reference.run(hf, output_router_logits=True).router_logits
+    got = []
+    with model.trace(reference.PROMPT):
+        for i in layers:
+            got.append(model.layers[i].mlp.router_logits.save())
+    hooked = []
+    for i in layers:
+        mlp = model.layers[i].mlp
+        output = reference.output_of(hf, native(model, getattr(mlp, mlp.ROUTER)))
+        hooked.append(mlp.values()["router_logits"].pick("output", output, mlp.ROUTER_LOGITS))
+    expected = [hooked] + ([list(recorded)] if recorded is not None and len(recorded) == len(layers) else [])
+    for logits, *truths in zip(got, *expected):
+        assert logits.shape[:2] == reference.encode()["input_ids"].shape
+        for truth in truths:
+            close(logits.reshape(-1, logits.shape[-1]), truth)
+
+
+def test_expert_indices_and_weights_match_a_hook(pair):
+    _, model, hf = pair
+    layer = routed_layers(model, "mlp.expert_indices")[0]
+    mlp = model.layers[layer].mlp
+    with model.trace(reference.PROMPT):
+        indices = mlp.expert_indices.save()
+        weights = mlp.expert_weights.save()
+    args = reference.inputs_of(hf, native(model, getattr(mlp, mlp.EXPERTS)))
+    assert torch.equal(indices.reshape(-1, indices.shape[-1]), args[1])
+    close(weights.reshape(-1, weights.shape[-1]), args[2])
+
+
+def test_writing_expert_indices_matches_a_hook(pair):
+    _, model, hf = pair
+    layer = routed_layers(model, "mlp.expert_indices")[0]
+    mlp = model.layers[layer].mlp
+    experts = getattr(mlp._module, mlp.EXPERTS)
+    count = getattr(experts, "num_experts", None) or len(experts)
+
+    def rerouted(indices):
+        return (indices + 1) % count
+
+    with model.trace(reference.PROMPT):
+        mlp.expert_indices = rerouted(mlp.expert_indices)
+        logits = model.logits.save()
+    expected = reference.with_input_edit(hf, native(model, getattr(mlp, mlp.EXPERTS)), 1, rerouted)
+    close(logits, expected, atol=1e-4)
 
 
 def test_support_is_honest(pair):

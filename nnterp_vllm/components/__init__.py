@@ -2,6 +2,7 @@
 
 from .attention import INTERFACE, Attention, HeadOutputs, needs_eager
 from .layer import Layer
+from .mixer import Mixer
 from .mlp import Mlp
 from .standard import Layers, Standard
 from .values import FIRST, WHOLE, Delegate, Derived, Value, first_tensor, unavailable, values_of
@@ -16,6 +17,7 @@ __all__ = [
     "HeadOutputs",
     "Layer",
     "Layers",
+    "Mixer",
     "Mlp",
     "Standard",
     "Value",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .mixer import MixerOutput
 from .standard import Standard
 from .values import Delegate, Value
 
@@ -13,7 +14,9 @@ class Layer(Standard):
 
     ``layer_output == layer_input + attention_output + mlp_output`` on every family,
     sequential or parallel. A family whose contribution lives elsewhere (a post-norm, a
-    call inside the block) points ``attention_output`` / ``mlp_output`` there.
+    call inside the block) points ``attention_output`` / ``mlp_output`` there. A block whose
+    token mixer is not attention (a state-space scan, a convolution) has a ``mixer`` module
+    instead, and ``layer_output == layer_input + mixer_output + mlp_output``.
     """
 
     @Value("input", description="The residual stream entering the block [batch, seq, hidden]")
@@ -30,3 +33,6 @@ class Layer(Standard):
         "self_attn", "attention_output", description="What the attention sublayer adds to the residual stream"
     )
     mlp_output = Delegate("mlp", "mlp_output", description="What the MLP sublayer adds to the residual stream")
+    mixer_output = MixerOutput(
+        description="What the token-mixing sublayer adds: the block's recurrent mixer's output, else attention_output"
+    )

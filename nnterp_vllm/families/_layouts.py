@@ -24,18 +24,23 @@ GPT2_RENAME = {
 
 
 def classes(
-    module: str, layer: type = Layer, attention: type = Attention, mlp: type = Mlp, **attention_names: Any
+    module: str,
+    layer: type = Layer,
+    attention: type = Attention,
+    mlp: type = Mlp,
+    mlp_names: dict[str, Any] | None = None,
+    **attention_names: Any,
 ) -> tuple[type, ...]:
     """A family's own ``Layer``, ``Attention`` and ``Mlp``: subclasses of the given bases, owned by ``module``.
 
-    ``attention_names`` set the Attention's operation and module names (``OUTPUT_PROJECTION="dense"``).
+    ``attention_names`` set the Attention's operation and module names (``OUTPUT_PROJECTION="dense"``);
+    ``mlp_names`` the Mlp's (``{"ROUTER": "gate"}`` on a mixture of experts).
     """
     made = []
+    names = {"Attention": attention_names, "Mlp": mlp_names or {}}
     # Named as the module binds them (``Layer, Attention, Mlp = classes(...)``), so pickle finds them.
     for role, base in (("Layer", layer), ("Attention", attention), ("Mlp", mlp)):
-        namespace = {"__module__": module, "__qualname__": role}
-        if role == "Attention":
-            namespace.update(attention_names)
+        namespace = {"__module__": module, "__qualname__": role, **names.get(role, {})}
         made.append(type(role, (base,), namespace))
     return tuple(made)
 

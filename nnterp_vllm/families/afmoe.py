@@ -39,7 +39,7 @@ class GatedAttention(BaseAttention):
         return value.flatten(-2)
 
 
-Layer, Attention, Mlp = classes(__name__, layer=AfmoeLayer, attention=GatedAttention)
+Layer, Attention, Mlp = classes(__name__, layer=AfmoeLayer, attention=GatedAttention, mlp_names={"ROUTER": "router"})
 ENVOYS = {
     hf.AfmoeDecoderLayer: Layer,
     hf.AfmoeAttention: Attention,

@@ -10,7 +10,7 @@ from .cohere import post_head
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {
     hf.Cohere2MoeDecoderLayer: Layer,
     hf.Cohere2MoeAttention: Attention,

@@ -11,7 +11,7 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {
     hf.DeepseekV2DecoderLayer: Layer,
     hf.DeepseekV2Attention: Attention,

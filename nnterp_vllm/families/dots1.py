@@ -9,5 +9,5 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {hf.Dots1DecoderLayer: Layer, hf.Dots1Attention: Attention, hf.Dots1MoE: Mlp, hf.Dots1MLP: Mlp}

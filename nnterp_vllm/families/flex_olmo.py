@@ -6,5 +6,5 @@ from ._layouts import LLAMA_RENAME, PostNormLayer, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer)
+Layer, Attention, Mlp = classes(__name__, layer=PostNormLayer, mlp_names={"ROUTER": "gate"})
 ENVOYS = {hf.FlexOlmoDecoderLayer: Layer, hf.FlexOlmoAttention: Attention, hf.FlexOlmoSparseMoeBlock: Mlp}

@@ -9,5 +9,5 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {hf.Glm4MoeDecoderLayer: Layer, hf.Glm4MoeAttention: Attention, hf.Glm4MoeMoE: Mlp, hf.Glm4MoeMLP: Mlp}

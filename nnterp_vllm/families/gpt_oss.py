@@ -28,5 +28,5 @@ class SinkAttention(BaseAttention):
     attention_values = unavailable(SINKS + "; queries, keys and values are served with the scores")
 
 
-Layer, Attention, Mlp = classes(__name__, attention=SinkAttention)
+Layer, Attention, Mlp = classes(__name__, attention=SinkAttention, mlp_names={"ROUTER": "router"})
 ENVOYS = {hf.GptOssDecoderLayer: Layer, hf.GptOssAttention: Attention, hf.GptOssMLP: Mlp}

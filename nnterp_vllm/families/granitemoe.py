@@ -11,6 +11,6 @@ from .granite import GraniteLayer, post_head
 
 RENAME = {**LLAMA_RENAME, "block_sparse_moe": "mlp"}
 
-Layer, Attention, Mlp = classes(__name__, layer=GraniteLayer)
+Layer, Attention, Mlp = classes(__name__, layer=GraniteLayer, mlp_names={"ROUTER": "router", "ROUTER_LOGITS": 2})
 ENVOYS = {hf.GraniteMoeDecoderLayer: Layer, hf.GraniteMoeAttention: Attention, hf.GraniteMoeMoE: Mlp}
 __all__ = ["ENVOYS", "RENAME", "Attention", "Layer", "Mlp", "post_head"]

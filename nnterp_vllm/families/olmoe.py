@@ -6,5 +6,5 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {hf.OlmoeDecoderLayer: Layer, hf.OlmoeAttention: Attention, hf.OlmoeSparseMoeBlock: Mlp}

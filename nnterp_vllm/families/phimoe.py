@@ -6,5 +6,5 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "router"})
 ENVOYS = {hf.PhimoeDecoderLayer: Layer, hf.PhimoeAttention: Attention, hf.PhimoeSparseMoeBlock: Mlp}

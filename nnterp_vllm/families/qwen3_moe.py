@@ -9,7 +9,7 @@ from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
-Layer, Attention, Mlp = classes(__name__)
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {
     hf.Qwen3MoeDecoderLayer: Layer,
     hf.Qwen3MoeAttention: Attention,
