@@ -57,6 +57,15 @@ def _num_heads(config: Any) -> int:
     return config.num_attention_heads
 
 
+def _first_of(*keys: str) -> Callable[[Any], int]:
+    """A size rule reading the first of ``keys`` the config sets (0 when it sets none: a dense model)."""
+
+    def rule(config: Any) -> int:
+        return next((getattr(config, key) for key in keys if getattr(config, key, None)), 0)
+
+    return rule
+
+
 class Indexed:
     """``model.layers_output[i]``-style access to one value of every block, readable and writable."""
 
@@ -132,6 +141,8 @@ class Standardized:
     head_dim = Size(lambda config: getattr(config, "head_dim", None) or config.hidden_size // _num_heads(config))
     intermediate_size = Size(lambda config: config.intermediate_size)
     vocab_size = Size(lambda config: config.vocab_size)
+    num_experts = Size(_first_of("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    num_experts_per_token = Size(_first_of("num_experts_per_tok", "moe_k", "moe_topk", "top_k"))
 
     # -- nnterp migration aliases ---------------------------------------------
 

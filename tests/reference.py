@@ -41,8 +41,8 @@ def with_block_output(model: Any, layer: int, edit: Callable[[torch.Tensor, torc
 
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         hidden_in = args[0] if args else next(iter(kwargs.values()))
-        if isinstance(output, tuple):
-            return (edit(hidden_in, output[0]), *output[1:])
+        if isinstance(output, (tuple, list)):
+            return type(output)([edit(hidden_in, output[0]), *output[1:]])
         return edit(hidden_in, output)
 
     handle = blocks(model)[layer].register_forward_hook(hook, with_kwargs=True)

@@ -95,6 +95,28 @@ def test_values_equal_a_direct_trace(llama, tmp_path):
     assert manifest["context"]["context_length"] == 48
 
 
+def test_routing_values_of_a_mixture_of_experts(tmp_path):
+    """Router logits and the experts each token is routed to, per token; indices stay integers."""
+    model = StandardizedTransformer(tiny.checkpoint("mixtral"))
+    docs = documents(5, seed=3)
+    names = ["layers.1.mlp.router_logits", "layers.1.mlp.expert_indices"]
+    result = harvest(model, docs, names, tmp_path / "out", context_length=32, progress=False)
+    logits, indices, columns = result.load(names[0]), result.load(names[1]), result.load("documents")
+    assert indices.dtype == torch.int64 and indices.shape[1:] == (model.num_experts_per_token,)
+    assert result.manifest["values"][names[0]]["shape"] == [model.num_experts]
+    bos = model.tokenizer.bos_token_id
+    for index, doc in enumerate(docs):
+        if not doc:
+            continue
+        ids = [bos, *model.tokenizer(doc, add_special_tokens=False)["input_ids"]][:32]
+        with model.trace(torch.tensor([ids])):
+            expected_logits = model.layers[1].mlp.router_logits.save()
+            expected_indices = model.layers[1].mlp.expert_indices.save()
+        mine = columns == index
+        torch.testing.assert_close(logits[mine], expected_logits[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(indices[mine], expected_indices[0])
+
+
 def test_last_positions_and_masks(llama, tmp_path):
     docs = documents(6)
     last = harvest(llama, docs, ["layers.0.layer_output"], tmp_path / "last", positions="last", progress=False)

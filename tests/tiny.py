@@ -69,6 +69,14 @@ def tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=model, **SPECIAL_TOKENS)
 
 
+def _has(config: Any, key: str) -> bool:
+    """Whether a config has ``key`` as one global value (some raise for a value that varies per layer)."""
+    try:
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error is no AttributeError
+        return False
+
+
 def config_kwargs(model_type: str, **extra: Any) -> dict[str, Any]:
     """The config keys a tiny ``model_type`` checkpoint is built with: the SIZES its config class knows."""
     from transformers import CONFIG_MAPPING
@@ -79,7 +87,7 @@ def config_kwargs(model_type: str, **extra: Any) -> dict[str, Any]:
     known = {
         key: value
         for key, value in SIZES.items()
-        if hasattr(defaults, key) and not isinstance(getattr(config_class, key, None), property)
+        if _has(defaults, key) and not isinstance(getattr(config_class, key, None), property)
     }
     return {**known, **OVERRIDES.get(model_type, {}), **extra}
 

@@ -17,6 +17,8 @@ import torch
 from nnsight.intervention.envoy import Envoy
 
 from .attention import HeadOutputs
+from .layer import Layer as BaseLayer
+from .mlp import Mlp as BaseMlp
 from .standard import Standard
 from .values import Delegate, Value, unavailable
 
@@ -154,6 +156,7 @@ class Layer(Standard):
         "self_attn", "attention_output", description="What the attention sublayer adds to the residual stream"
     )
     mlp_output = Delegate("mlp", "mlp_output", description="What the MLP sublayer adds to the residual stream")
+    mixer_output = BaseLayer.mixer_output
 
 
 class DualStreamLayer(Layer):
@@ -230,8 +233,8 @@ for _name in ("attention_queries", "attention_keys", "attention_values"):
     getattr(Attention, _name).postprocess(heads_merged)
 
 
-class Mlp(Standard):
-    """A vLLM MLP."""
+class Mlp(BaseMlp):
+    """A vLLM MLP (dense on every vLLM family served: no router)."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
 

@@ -14,6 +14,7 @@ import warnings
 from types import ModuleType
 
 from ..errors import UnsupportedFamily
+from ._refused import REFUSED
 
 TRANSFORMERS = "transformers"
 VLLM = "vllm"
@@ -21,6 +22,9 @@ ENGINES = (TRANSFORMERS, VLLM)
 
 #: engine -> model_type -> family module. Filled by `register` and by `lookup` as it imports.
 REGISTRY: dict[str, dict[str, ModuleType]] = {engine: {} for engine in ENGINES}
+
+#: model_types whose checkpoints are another type's architecture, served by that type's family.
+ALIASES = {"gpt-sw3": "gpt2"}
 
 _PACKAGES = {TRANSFORMERS: __name__, VLLM: f"{__name__}.vllm"}
 _NOT_FAMILIES = {"default", "vllm"}
@@ -52,19 +56,34 @@ def known(engine: str | None = None) -> list[str]:
     package = importlib.import_module(_PACKAGES[engine])
     names = {info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_")}
     names -= _NOT_FAMILIES
-    return sorted(names | set(REGISTRY[engine]))
+    model_types = {_model_types().get(name, name) for name in names}
+    if engine == TRANSFORMERS:
+        model_types |= {alias for alias, target in ALIASES.items() if target in model_types}
+    return sorted(model_types | set(REGISTRY[engine]))
+
+
+def _model_types() -> dict[str, str]:
+    """Module name -> model_type, for the transformers model_types spelled with dashes (``openai-gpt``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return {module_name(model_type): model_type for model_type in CONFIG_MAPPING_NAMES if "-" in model_type}
 
 
 def lookup(model_type: str, engine: str | None = None) -> ModuleType:
     """The family serving ``model_type`` on ``engine``.
 
     On transformers a type without a module warns and gets the `default` family; on vLLM
-    there is no default and it raises `UnsupportedFamily`. An error raised inside a family
-    module while it imports is re-raised as it is.
+    there is no default and it raises `UnsupportedFamily`, as it does on both engines for a
+    type refused with its reason (``_refused.REFUSED``: encoder-only and encoder-decoder types).
+    An error raised inside a family module while it imports is re-raised as it is.
     """
     engine = _engine(engine)
     if model_type in REGISTRY[engine]:
         return REGISTRY[engine][model_type]
+    if model_type in REFUSED:
+        raise UnsupportedFamily(f"model_type {model_type!r} is not served: {REFUSED[model_type]}")
+    if engine == TRANSFORMERS and model_type in ALIASES:
+        return lookup(ALIASES[model_type], engine)
     name = f"{_PACKAGES[engine]}.{module_name(model_type)}"
     try:
         family = importlib.import_module(name)

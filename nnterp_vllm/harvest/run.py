@@ -108,7 +108,9 @@ def compute(model: Any, unit: Unit, job: Job) -> dict[str, torch.Tensor]:
         columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
         columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
         for selection in job.selections:
-            columns[selection.name].append(values[selection.name][kept].to(dtype))
+            value = values[selection.name][kept]
+            # Expert indices stay integers; activations are stored in the harvest's dtype.
+            columns[selection.name].append(value.to(dtype) if value.is_floating_point() else value)
     return {name: torch.cat(parts) for name, parts in columns.items()}
 
 

@@ -28,6 +28,11 @@ BLOCK_ORDER = (
     "self_attn.attention_head_outputs",
     "self_attn.attention_output",
     "attention_output",
+    "mixer.mixer_output",
+    "mixer_output",
+    "mlp.router_logits",
+    "mlp.expert_indices",
+    "mlp.expert_weights",
     "mlp.mlp_output",
     "mlp_output",
     "layer_output",
@@ -142,4 +147,8 @@ def token_shape(selection: Selection, model: Any, context_length: int | None) ->
         return [model.num_heads, context_length]
     if value == "attention_head_outputs":
         return [model.num_heads, model.hidden_size]
+    if value == "router_logits":
+        return [model.num_experts]
+    if value in ("expert_indices", "expert_weights"):
+        return [model.num_experts_per_token]
     return [model.hidden_size]
