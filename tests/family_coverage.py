@@ -148,7 +148,7 @@ def owner(parameters: str, model_types: list[str]) -> str:
 
 #: Reasons that say a value does not exist in the architecture (a dense MLP has no router; a recurrent
 #: block no attention): not a gap in what the family serves.
-NOT_APPLICABLE = ("this family's MLP is dense", "this block's MLP is dense", "this block has no self_attn module")
+NOT_APPLICABLE = ("this family's MLP is dense", "this block's MLP is dense", "this block has no ")
 
 
 def applicable(reason: str) -> bool:

@@ -36,8 +36,11 @@ def run(model: Any, prompt: str = PROMPT, **kwargs: Any) -> Any:
         return model(**encode(prompt), **kwargs)
 
 
-def with_block_output(model: Any, layer: int, edit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-    """Run the model with block ``layer``'s hidden output replaced by ``edit(block_input, block_output)``."""
+def with_block_output(model: Any, layer: int | str, edit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """Run the model with block ``layer``'s hidden output replaced by ``edit(block_input, block_output)``.
+
+    ``layer`` is an index into `blocks`, or the block module's path in the plain model.
+    """
 
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         hidden_in = args[0] if args else next(iter(kwargs.values()))
@@ -45,7 +48,8 @@ def with_block_output(model: Any, layer: int, edit: Callable[[torch.Tensor, torc
             return type(output)([edit(hidden_in, output[0]), *output[1:]])
         return edit(hidden_in, output)
 
-    handle = blocks(model)[layer].register_forward_hook(hook, with_kwargs=True)
+    block = model.get_submodule(layer) if isinstance(layer, str) else blocks(model)[layer]
+    handle = block.register_forward_hook(hook, with_kwargs=True)
     try:
         return run(model).logits
     finally:

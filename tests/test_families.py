@@ -20,7 +20,9 @@ from nnterp_vllm.families import default
 FAMILIES = [name for name in os.environ.get("NNTERP_COVERAGE_TYPES", "").split(",") if name] or families.known()
 FORCED_FAMILY = default if os.environ.get("NNTERP_COVERAGE_FAMILY") == "default" else None
 #: Families whose scores carry a position bias (ALiBi), so equal keys do not give a uniform pattern.
-POSITION_BIASED = {"bloom", "mpt"}
+POSITION_BIASED = {"bloom", "mpt", "inkling_text"}
+#: Models whose ``output_hidden_states`` are the blocks' outputs and the final norm's, without the embeddings.
+BLOCK_OUTPUTS_ONLY = {"rwkv"}
 ATOL = 1e-5
 
 
@@ -34,10 +36,25 @@ def pair(request):
     return request.param, model, reference.load(path)
 
 
+def native(model, envoy):
+    """The plain model's path of an envoy's module (the standardized root wraps the model as ``model``)."""
+    return envoy.path.split(".", 1)[1]
+
+
 def served(model, name, layer):
-    """Whether ``model.support()`` claims value ``name`` on block ``layer``: what the test must then verify."""
-    entry = model.support()[name]
+    """Whether ``model.support()`` claims value ``name`` on block ``layer``: what the test must then verify.
+
+    A value of a module no block has (attention on an attention-free model) is not in the table: not served.
+    """
+    entry = model.support().get(name, "no block has this module")
     return entry is None or (isinstance(entry, dict) and layer not in entry)
+
+
+def has_module(block, name, value=None):
+    """Whether ``block`` has a module ``name`` (one serving ``value``, when given: a hybrid block's native
+    ``self_attn`` may be its linear-attention mixer)."""
+    child = block.__dict__.get(name)
+    return isinstance(child, Envoy) and (value is None or value in getattr(type(child), "values", dict)())
 
 
 def close(actual, expected, atol=ATOL):
@@ -60,7 +77,7 @@ def test_family_classes_are_served(pair):
 
 
 def test_hidden_states_and_attentions_match_transformers(pair):
-    _, model, hf = pair
+    model_type, model, hf = pair
     expected = reference.run(hf, output_hidden_states=True, output_attentions=True)
     outputs, patterns, final = [], [], None
     final_norm_served = model.support()["final_norm_output"] is None
@@ -73,19 +90,23 @@ def test_hidden_states_and_attentions_match_transformers(pair):
         if final_norm_served:
             final = model.final_norm_output.save()
         logits = model.logits.save()
-    close(first_input, expected.hidden_states[0])
+    # transformers' hidden_states start with the embeddings, except where a model records block outputs only.
+    after_blocks = len(expected.hidden_states) == model.num_layers + 1 and model_type in BLOCK_OUTPUTS_ONLY
+    if not after_blocks:
+        close(first_input, expected.hidden_states[0])
     for i, output in enumerate(outputs[:-1]):
-        close(output, expected.hidden_states[i + 1])
+        close(output, expected.hidden_states[i if after_blocks else i + 1])
     # Without a readable final norm, the family's final_norm (project_on_vocab's) must give the last hidden state.
     close(final if final_norm_served else model._final_norm(outputs[-1]), expected.hidden_states[-1])
+    # A hybrid records the patterns of its attention blocks only, in block order.
+    attention_blocks = [
+        i for i, block in enumerate(model.layers) if has_module(block, "self_attn", "attention_probabilities")
+    ]
     for i, pattern in patterns:
-        close(pattern, expected.attentions[i])
+        recorded = i if len(expected.attentions) == model.num_layers else attention_blocks.index(i)
+        close(pattern, expected.attentions[recorded])
         close(pattern.sum(-1), torch.ones_like(pattern.sum(-1)))
     close(logits, expected.logits)
-
-
-def has_module(block, name):
-    return isinstance(block.__dict__.get(name), Envoy)
 
 
 def test_residual_identity(pair):
@@ -130,7 +151,7 @@ def test_head_decomposition(pair):
 def first_attention_layer(model, name="self_attn.attention_probabilities"):
     layers = [i for i in range(model.num_layers) if served(model, name, i)]
     if not layers:
-        pytest.skip(f"{name} is not served on this family: {model.support()[name]}")
+        pytest.skip(f"{name} is not served on this family: {model.support().get(name, 'no block has it')}")
     return layers[0]
 
 
@@ -191,7 +212,7 @@ def test_writing_layer_output_matches_a_hook(pair, edit):
             model.layers[1].layer_output[:] = 0
         logits = model.logits.save()
     expected = reference.with_block_output(
-        hf, 1, lambda _, out: out * 0.5 if edit == "scale" else torch.zeros_like(out)
+        hf, native(model, model.layers[1]), lambda _, out: out * 0.5 if edit == "scale" else torch.zeros_like(out)
     )
     close(logits, expected, atol=1e-4)
 
@@ -206,7 +227,9 @@ def test_skip_layers_hands_input_on(pair):
         model.skip_layers(1)
         skipped_out = model.layers[1].layer_output.save()
     close(skipped_out, skipped_in)
-    close(logits, reference.with_block_output(hf, 1, lambda block_in, _: block_in), atol=1e-4)
+    close(
+        logits, reference.with_block_output(hf, native(model, model.layers[1]), lambda block_in, _: block_in), atol=1e-4
+    )
 
 
 def test_steer_equals_adding_by_hand(pair):
@@ -221,19 +244,14 @@ def test_steer_equals_adding_by_hand(pair):
         out[:, [0, 2]] += 2.0 * vector
         return out
 
-    close(logits, reference.with_block_output(hf, 1, add), atol=1e-4)
+    close(logits, reference.with_block_output(hf, native(model, model.layers[1]), add), atol=1e-4)
 
 
 def routed_layers(model, name="mlp.router_logits"):
     layers = [i for i in range(model.num_layers) if served(model, name, i)]
     if not layers:
-        pytest.skip(f"{name} is not served on this family: {model.support()[name]}")
+        pytest.skip(f"{name} is not served on this family: {model.support().get(name, 'no block has it')}")
     return layers
-
-
-def native(model, envoy):
-    """The plain model's path of an envoy's module (the standardized root wraps the model as ``model``)."""
-    return envoy.path.split(".", 1)[1]
 
 
 def test_project_on_vocab_of_the_last_block_gives_the_logits(pair):
@@ -285,11 +303,9 @@ def test_writing_expert_indices_matches_a_hook(pair):
     _, model, hf = pair
     layer = routed_layers(model, "mlp.expert_indices")[0]
     mlp = model.layers[layer].mlp
-    experts = getattr(mlp._module, mlp.EXPERTS)
-    count = getattr(experts, "num_experts", None) or len(experts)
 
     def rerouted(indices):
-        return (indices + 1) % count
+        return (indices + 1) % model.num_experts
 
     with model.trace(reference.PROMPT):
         mlp.expert_indices = rerouted(mlp.expert_indices)
@@ -307,10 +323,14 @@ def test_support_is_honest(pair):
     for name, entry in table.items():
         if name == "engine" or entry is None:
             continue
-        layer = next(iter(entry)) if isinstance(entry, dict) else 0
-        host = model if isinstance(getattr(type(model), name, None), Value) else model.layers[layer]
-        if "." in name and hasattr(host, name.split(".")[0]):
-            host = getattr(host, name.split(".")[0])
-        with pytest.raises(UnavailableValue):
-            with model.trace(reference.PROMPT):
-                getattr(host, name.rsplit(".", 1)[-1]).save()
+        module, _, value = name.rpartition(".")
+        if isinstance(getattr(type(model), name, None), Value):
+            hosts = [model]
+        else:
+            # A module's value is refused on the blocks that have the module; the others have nothing to read.
+            blocks = [model.layers[i] for i in (entry if isinstance(entry, dict) else range(model.num_layers))]
+            hosts = [getattr(b, module) if module else b for b in blocks if not module or has_module(b, module, value)]
+        for host in hosts[:1]:
+            with pytest.raises(UnavailableValue):
+                with model.trace(reference.PROMPT):
+                    getattr(host, value).save()
