@@ -251,6 +251,9 @@ class Delegate(Value):
             return f"this block has no {self.child} module"
         value = type(child).__dict__.get(self.target) or getattr(type(child), self.target, None)
         if not isinstance(value, Value):
+            if callable(getattr(type(child), "values", None)):
+                # e.g. a hybrid block whose native ``self_attn`` is its linear-attention mixer
+                return f"this block's {self.child} module is a {type(child).__name__} and has no {self.target}"
             return f"{self.child} is not a standardized module on this family"
         return value.reason(child)
 

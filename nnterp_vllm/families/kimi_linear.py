@@ -8,34 +8,13 @@ block (router ``gate``) with shared experts, as ``mlp_layer_types`` says.
 
 from typing import Any
 
-from nnsight.intervention.envoy import Envoy
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
-from ..components import Delegate, Mixer
-from ..components import Layer as BaseLayer
+from ..components import Mixer
 from ._layouts import LLAMA_RENAME, classes
 
 RENAME = {**LLAMA_RENAME, hf.KimiLinearDeltaAttention: "mixer"}
-LINEAR = (
-    "this block has no self_attn module of softmax attention: its self_attn is a delta (linear) "
-    "attention, served as mixer; read mixer_output"
-)
-
-
-class AttentionSlot(Delegate):
-    """``attention_output``, refused where the block's ``self_attn`` is the linear-attention mixer."""
-
-    def reason(self, host: Envoy) -> str | None:
-        return LINEAR if isinstance(host.__dict__.get("mixer"), Mixer) else super().reason(host)
-
-
-class KimiLayer(BaseLayer):
-    """A block whose native ``self_attn`` is softmax attention or the linear-attention mixer."""
-
-    attention_output = AttentionSlot("self_attn", "attention_output", description=BaseLayer.attention_output.__doc__)
-
-
-Layer, Attention, Mlp = classes(__name__, layer=KimiLayer, mlp_names={"ROUTER": "gate"})
+Layer, Attention, Mlp = classes(__name__, mlp_names={"ROUTER": "gate"})
 ENVOYS = {
     hf.KimiLinearDecoderLayer: Layer,
     hf.KimiLinearAttention: Attention,

@@ -10,7 +10,8 @@ the stream after every ``rescale_every``-th block, between blocks (its weights a
 
 from transformers.models.rwkv import modeling_rwkv as hf
 
-from ..components import Layer, Mixer, Mlp, Value
+from ..components import Layer as BaseLayer
+from ..components import Mixer, Mlp, Value
 
 RENAME = {
     "rwkv.embeddings": "embed_tokens",
@@ -22,7 +23,7 @@ RENAME = {
 }
 
 
-class RwkvLayer(Layer):
+class Layer(BaseLayer):
     """An RWKV block, whose residual stream starts at ``pre_ln``'s output on the first block."""
 
     @property
@@ -30,7 +31,7 @@ class RwkvLayer(Layer):
         """Where the stream the sublayers add to enters: ``pre_ln``'s output on the first block, else the input."""
         return "pre_ln.output" if hasattr(self._module, "pre_ln") else "input"
 
-    layer_input = Value("{self.STREAM_IN}", description=Layer.layer_input.description)
+    layer_input = Value("{self.STREAM_IN}", description=BaseLayer.layer_input.description)
 
 
-ENVOYS = {hf.RwkvBlock: RwkvLayer, hf.RwkvSelfAttention: Mixer, hf.RwkvFeedForward: Mlp}
+ENVOYS = {hf.RwkvBlock: Layer, hf.RwkvSelfAttention: Mixer, hf.RwkvFeedForward: Mlp}

@@ -1,0 +1,78 @@
+"""Granite MoE Hybrid (``GraniteMoeHybridForCausalLM``): the llama layout; mamba-2 or attention blocks, then experts.
+
+Each block's token mixer is a mamba-2 layer (served as ``mixer``) or attention; its feed-forward is a sparse
+block (``block_sparse_moe``, served as ``mlp``; its ``router`` returns the logits last) plus a dense
+``shared_mlp`` fed the same input. The block adds each sublayer's output times ``residual_multiplier``, so
+``mixer_output``/``attention_output`` are the scaled outputs and the block's ``mlp_output`` is the scaled sum
+of both feed-forwards (an assignment in the block's forward; shared_mlp's output alone on a checkpoint
+without experts); the sparse block's output alone is not what the block adds. Embeddings are scaled by
+``embedding_multiplier`` and logits divided by ``logits_scaling`` (see `granite`).
+"""
+
+from typing import Any
+
+from nnsight.intervention.envoy import Envoy
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
+
+from ..components import Layer as BaseLayer
+from ..components import Mixer as BaseMixer
+from ..components import Mlp as BaseMlp
+from ..components import Value, unavailable
+from ..components.attention import model_config
+from ._layouts import LLAMA_RENAME, classes
+from .granite import post_head
+
+RENAME = {**LLAMA_RENAME, "mamba": "mixer", "block_sparse_moe": "mlp"}
+
+
+class Scaled(Value):
+    """A sublayer's output times ``config.residual_multiplier``: what the block adds to the stream."""
+
+    writes_back = True  # a read is a scaled copy: in-place edits of it are written back, unscaled
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        return super().serve(host, part * model_config(host).residual_multiplier)
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        return super().accept(host, value) / model_config(host).residual_multiplier
+
+
+def _no_attention(block: Envoy) -> str | None:
+    return None if block._module.self_attn is not None else "this is a mamba block: it has no self_attn module"
+
+
+class HybridLayer(BaseLayer):
+    SOURCED = True  # mlp_output is an assignment inside the block's forward
+
+    @property
+    def feed_forward_sum(self) -> str:
+        """The assignment holding the feed-forward output: the sparse block's plus shared_mlp's, or shared_mlp's."""
+        return "hidden_states_4" if self._module.has_experts else "hidden_states_5"
+
+    attention_output = Scaled(
+        "self_attn.output", description=BaseLayer.attention_output.description, unavailable=_no_attention
+    )
+    mlp_output = Scaled("source.{self.feed_forward_sum}.output", description="The feed-forward output, scaled")
+
+
+class Mixer(BaseMixer):
+    mixer_output = Scaled(description=BaseMixer.mixer_output.description)
+
+
+class SparseMlp(BaseMlp):
+    ROUTER = "router"
+    ROUTER_LOGITS = 2
+    mlp_output = unavailable(
+        "the block adds this sparse block's output plus shared_mlp's, times residual_multiplier; "
+        "read the block's mlp_output"
+    )
+
+
+Layer, Attention, Mlp = classes(__name__, layer=HybridLayer, mlp=SparseMlp)
+ENVOYS = {
+    hf.GraniteMoeHybridDecoderLayer: Layer,
+    hf.GraniteMoeHybridAttention: Attention,
+    hf.GraniteMoeHybridMambaLayer: Mixer,
+    hf.GraniteMoeHybridMoE: Mlp,
+}
+__all__ = ["ENVOYS", "RENAME", "Attention", "Layer", "Mixer", "Mlp", "post_head"]
