@@ -193,7 +193,7 @@ class Standardized:
         family = family or families.lookup(self._model_type(config), engine=self.ENGINE)
         self._serve_with(family)
         return {
-            "rename": {**family.RENAME, **(rename or {})},
+            "rename": {**_with_nested_text_model(family.RENAME), **(rename or {})},
             "envoys": {**base_envoys, "layers": Layers, **family.ENVOYS, **(envoys or {})},
         }
 
@@ -347,6 +347,24 @@ class Standardized:
             ]
             probabilities = torch.stack(per_layer, dim=1).save()
         return probabilities
+
+
+#: Where a multimodal model (``...ForConditionalGeneration``) keeps its text model: ``model.language_model``.
+NESTED_TEXT_MODEL = "model.language_model."
+
+
+def _with_nested_text_model(rename: dict[str, str]) -> dict[str, str]:
+    """A family's RENAME, plus each ``model.``-rooted path as it is spelled inside a multimodal model.
+
+    A text family then serves the same text model wrapped with a vision tower (Gemma-3, Llama-4, Qwen3.5);
+    nnsight skips the spellings that match nothing.
+    """
+    nested = {
+        NESTED_TEXT_MODEL + path.removeprefix("model."): name
+        for path, name in rename.items()
+        if isinstance(path, str) and path.startswith("model.")
+    }
+    return {**rename, **nested}
 
 
 def family_gaps(cls: type) -> type:

@@ -5,7 +5,7 @@ from .layer import Layer
 from .mixer import Mixer
 from .mlp import Mlp
 from .standard import Layers, Standard
-from .values import FIRST, WHOLE, Delegate, Derived, Value, first_tensor, unavailable, values_of
+from .values import FIRST, WHOLE, Delegate, Derived, Scaled, Value, first_tensor, unavailable, values_of
 
 __all__ = [
     "FIRST",
@@ -19,6 +19,7 @@ __all__ = [
     "Layers",
     "Mixer",
     "Mlp",
+    "Scaled",
     "Standard",
     "Value",
     "first_tensor",

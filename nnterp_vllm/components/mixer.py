@@ -38,6 +38,8 @@ class MixerOutput(Value):
 
     def reason(self, block: Envoy) -> str | None:
         host, name = self.target(block)
+        if host is block and not isinstance(block.__dict__.get("self_attn"), Envoy):
+            return "this block has no token mixer: neither a mixer nor a self_attn module"
         return type(host).values()[name].reason(host)
 
     def read(self, block: Envoy) -> Any:

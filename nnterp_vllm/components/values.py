@@ -276,6 +276,31 @@ def values_of(cls: type) -> dict[str, Value]:
     return found
 
 
+class Scaled(Value):
+    """A location's value times a factor: what a block adds where it scales a sublayer's output before adding it.
+
+    ``scale`` names the host module's attribute holding the factor (``"residual_multiplier"``), or is a
+    function of the host envoy returning it. A read is a scaled copy whose in-place edits are written
+    back unscaled; a written value is unscaled on its way into the model.
+    """
+
+    writes_back = True
+
+    def __init__(self, key: str = "output", *, scale: str | Callable[[Envoy], Any], **kwargs: Any) -> None:
+        super().__init__(key, **kwargs)
+        self.scale = scale
+
+    def factor(self, host: Envoy) -> Any:
+        """The factor on ``host``."""
+        return self.scale(host) if callable(self.scale) else getattr(host._module, self.scale)
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        return super().serve(host, part * self.factor(host))
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        return super().accept(host, value) / self.factor(host)
+
+
 class Derived(Value):
     """A read-only value computed from other values of the same host: ``Derived(lambda model: ...)``."""
 

@@ -10,30 +10,19 @@ embedding table's output, ``layers[0].layer_input`` the scaled stream.
 from typing import Any
 
 import torch
-from nnsight.intervention.envoy import Envoy
 from transformers.models.granite import modeling_granite as hf
 
-from ..components import Layer, Value
+from ..components import Layer, Scaled
 from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
 
-class Scaled(Value):
-    """A sublayer's output times its block's ``residual_multiplier``: what the block adds to the stream."""
-
-    writes_back = True  # a read is a scaled copy: in-place edits of it are written back, unscaled
-
-    def serve(self, host: Envoy, part: Any) -> Any:
-        return super().serve(host, part * host._module.residual_multiplier)
-
-    def accept(self, host: Envoy, value: Any) -> Any:
-        return super().accept(host, value) / host._module.residual_multiplier
-
-
 class GraniteLayer(Layer):
-    attention_output = Scaled("self_attn.output", description=Layer.attention_output.description)
-    mlp_output = Scaled("mlp.output", description=Layer.mlp_output.description)
+    attention_output = Scaled(
+        "self_attn.output", scale="residual_multiplier", description=Layer.attention_output.description
+    )
+    mlp_output = Scaled("mlp.output", scale="residual_multiplier", description=Layer.mlp_output.description)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=GraniteLayer)

@@ -9,15 +9,13 @@ without experts); the sparse block's output alone is not what the block adds. Em
 ``embedding_multiplier`` and logits divided by ``logits_scaling`` (see `granite`).
 """
 
-from typing import Any
-
 from nnsight.intervention.envoy import Envoy
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
 
 from ..components import Layer as BaseLayer
 from ..components import Mixer as BaseMixer
 from ..components import Mlp as BaseMlp
-from ..components import Value, unavailable
+from ..components import Scaled, unavailable
 from ..components.attention import model_config
 from ._layouts import LLAMA_RENAME, classes
 from .granite import post_head
@@ -25,16 +23,8 @@ from .granite import post_head
 RENAME = {**LLAMA_RENAME, "mamba": "mixer", "block_sparse_moe": "mlp"}
 
 
-class Scaled(Value):
-    """A sublayer's output times ``config.residual_multiplier``: what the block adds to the stream."""
-
-    writes_back = True  # a read is a scaled copy: in-place edits of it are written back, unscaled
-
-    def serve(self, host: Envoy, part: Any) -> Any:
-        return super().serve(host, part * model_config(host).residual_multiplier)
-
-    def accept(self, host: Envoy, value: Any) -> Any:
-        return super().accept(host, value) / model_config(host).residual_multiplier
+def _residual_multiplier(host: Envoy) -> float:
+    return model_config(host).residual_multiplier
 
 
 def _no_attention(block: Envoy) -> str | None:
@@ -50,13 +40,20 @@ class HybridLayer(BaseLayer):
         return "hidden_states_4" if self._module.has_experts else "hidden_states_5"
 
     attention_output = Scaled(
-        "self_attn.output", description=BaseLayer.attention_output.description, unavailable=_no_attention
+        "self_attn.output",
+        scale=_residual_multiplier,
+        description=BaseLayer.attention_output.description,
+        unavailable=_no_attention,
     )
-    mlp_output = Scaled("source.{self.feed_forward_sum}.output", description="The feed-forward output, scaled")
+    mlp_output = Scaled(
+        "source.{self.feed_forward_sum}.output",
+        scale=_residual_multiplier,
+        description="The feed-forward output, scaled",
+    )
 
 
 class Mixer(BaseMixer):
-    mixer_output = Scaled(description=BaseMixer.mixer_output.description)
+    mixer_output = Scaled(scale=_residual_multiplier, description=BaseMixer.mixer_output.description)
 
 
 class SparseMlp(BaseMlp):

@@ -13,16 +13,17 @@ from typing import Any
 import torch
 from transformers.models.hyperclovax import modeling_hyperclovax as hf
 
-from ..components import Layer
+from ..components import Layer, Scaled
 from ._layouts import LLAMA_RENAME, classes
-from .granite import Scaled
 
 RENAME = LLAMA_RENAME
 
 
 class HyperCLOVAXLayer(Layer):
-    attention_output = Scaled("post_norm1.output", description=Layer.attention_output.description)
-    mlp_output = Scaled("post_norm2.output", description=Layer.mlp_output.description)
+    attention_output = Scaled(
+        "post_norm1.output", scale="residual_multiplier", description=Layer.attention_output.description
+    )
+    mlp_output = Scaled("post_norm2.output", scale="residual_multiplier", description=Layer.mlp_output.description)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=HyperCLOVAXLayer)

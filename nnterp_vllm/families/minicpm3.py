@@ -10,30 +10,19 @@ the standard shapes. The final norm's output is divided by ``config.logits_scali
 from typing import Any
 
 import torch
-from nnsight.intervention.envoy import Envoy
 from transformers.models.minicpm3 import modeling_minicpm3 as hf
 
-from ..components import Layer, Value
+from ..components import Layer, Scaled
 from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
 
-class DepthScaled(Value):
-    """A sublayer's output times its block's ``residual_scale``: what the block adds to the stream."""
-
-    writes_back = True  # a read is a scaled copy: in-place edits of it are written back, unscaled
-
-    def serve(self, host: Envoy, part: Any) -> Any:
-        return super().serve(host, part * host._module.residual_scale)
-
-    def accept(self, host: Envoy, value: Any) -> Any:
-        return super().accept(host, value) / host._module.residual_scale
-
-
 class MiniCPM3Layer(Layer):
-    attention_output = DepthScaled("self_attn.output", description=Layer.attention_output.description)
-    mlp_output = DepthScaled("mlp.output", description=Layer.mlp_output.description)
+    attention_output = Scaled(
+        "self_attn.output", scale="residual_scale", description=Layer.attention_output.description
+    )
+    mlp_output = Scaled("mlp.output", scale="residual_scale", description=Layer.mlp_output.description)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=MiniCPM3Layer)

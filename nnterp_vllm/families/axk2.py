@@ -1,0 +1,38 @@
+"""A.X K2 (``AXK2ForCausalLM``): latent attention with a sparse-token indexer and an output gate; a sparse ``mlp``.
+
+The latent keys and values are expanded to every head before the attention call. An indexer picks
+the ``index_topk`` keys each query may attend to and folds that choice into the attention mask, so
+the scores and pattern are those of the selected keys (the others masked). Each head's mix is
+multiplied by a sigmoid gate before the output projection: ``attention_premix`` is the gated mix,
+read at the projection's input. ``mlp`` is a dense MLP or a sparse block with shared experts, as
+``mlp_layer_types`` says per block.
+"""
+
+from typing import Any
+
+from transformers.models.axk2 import modeling_axk2 as hf
+
+from ..components import Attention as BaseAttention
+from ..components import Value
+from ._layouts import LLAMA_RENAME, classes
+
+RENAME = LLAMA_RENAME
+
+
+class GatedAttention(BaseAttention):
+    @Value(
+        "{self.OUTPUT_PROJECTION}.input",
+        description="Per-head gated mix of the values entering the output projection [batch, seq, heads, v_head_dim]",
+        unavailable=lambda attention: attention.interior_reason(),
+    )
+    def attention_premix(self, value: Any) -> Any:
+        """Each head's gated mix of the values, before the heads are projected."""
+        return value.unflatten(-1, (-1, self._module.v_head_dim))
+
+    @attention_premix.postprocess
+    def attention_premix(self, value: Any) -> Any:
+        return value.flatten(-2)
+
+
+Layer, Attention, Mlp = classes(__name__, attention=GatedAttention, mlp_names={"ROUTER": "gate"})
+ENVOYS = {hf.AXK2DecoderLayer: Layer, hf.AXK2Attention: Attention, hf.AXK2MoE: Mlp, hf.AXK2MLP: Mlp}
