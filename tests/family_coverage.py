@@ -84,7 +84,10 @@ def probe(model_type: str, forced_default: bool) -> dict[str, Any]:
 
     from nnterp_vllm import StandardizedTransformer, UnsupportedFamily
     from nnterp_vllm.families import default
+    from nnterp_vllm.families._refused import REFUSED
 
+    if model_type in REFUSED:  # refused with its reason before any checkpoint is read
+        return {"status": "refused", "reason": REFUSED[model_type]}
     try:
         path = tiny.checkpoint(model_type)
     except Exception as error:  # noqa: BLE001 - every failure is a row of the table

@@ -17,7 +17,11 @@ from nnterp_vllm.families import default
 
 #: Every family module; the coverage harness (tests/family_coverage.py) adds model_types without one, and can
 #: serve every type with the default family alone, through these two variables.
-FAMILIES = [name for name in os.environ.get("NNTERP_COVERAGE_TYPES", "").split(",") if name] or families.known()
+#: Multimodal types are served by their text model's family, nested in the wrapper: checked here as well.
+FAMILIES = [name for name in os.environ.get("NNTERP_COVERAGE_TYPES", "").split(",") if name] or [
+    *families.known(),
+    *tiny.GROUPS["multimodal"],
+]
 FORCED_FAMILY = default if os.environ.get("NNTERP_COVERAGE_FAMILY") == "default" else None
 #: Families whose scores carry a position bias (ALiBi), so equal keys do not give a uniform pattern.
 POSITION_BIASED = {"bloom", "mpt", "inkling_text"}
@@ -116,8 +120,9 @@ def test_residual_identity(pair):
     rows = []
     with model.trace(reference.PROMPT):
         for i, block in enumerate(model.layers):
-            with_mlp = has_module(block, "mlp")
-            if not served(model, "mixer_output", i) or (with_mlp and not served(model, "mlp_output", i)):
+            # A block without an MLP (a pure mamba block) adds its mixer's output alone.
+            with_mlp = served(model, "mlp_output", i)
+            if not served(model, "mixer_output", i) or (not with_mlp and has_module(block, "mlp")):
                 continue
             layer_input = block.layer_input.save()
             attention_output = block.attention_output.save() if served(model, "attention_output", i) else None

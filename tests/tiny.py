@@ -43,11 +43,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"sliding_window": 16, "query_pre_attn_scalar": 32, "tie_word_embeddings": True},
 }
 
+#: The model_types each module of ``tests/tiny_configs/`` sets keys for, by module name.
+GROUPS: dict[str, list[str]] = {}
 for _module in sorted((Path(__file__).parent / "tiny_configs").glob("[!_]*.py")):
     _spec = importlib.util.spec_from_file_location(f"tiny_configs.{_module.stem}", _module)
     _loaded = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_loaded)
     OVERRIDES.update(_loaded.OVERRIDES)
+    GROUPS[_module.stem] = sorted(_loaded.OVERRIDES)
 
 #: A checkpoint larger than this did not take the tiny sizes (its config spells them otherwise).
 MAX_PARAMETERS = 20_000_000

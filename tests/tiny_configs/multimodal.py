@@ -2,8 +2,8 @@
 
 A wrapper's config nests the text model's keys under ``text_config`` (the top-level tiny sizes do
 not reach it), so each spells there the keys its text type's tiny checkpoint is built with, and a
-one-layer vision tower where the causal-LM class builds one (Llama-4's and Qwen3.5's causal-LM
-classes hold the text model alone).
+small vision tower where the causal-LM class builds one (the causal-LM classes of Llama-4, Qwen3.5,
+Qwen3.5-MoE and Qwen4-exp hold the text model alone).
 """
 
 from typing import Any
@@ -23,6 +23,8 @@ TEXT = {
 }
 #: Grouped keys and values, heads 32 wide.
 GQA = {**TEXT, "num_key_value_heads": 2, "head_dim": 32}
+#: The same without a dense MLP width (a config whose every MLP is sparse has none).
+GQA_SPARSE = {key: value for key, value in GQA.items() if key != "intermediate_size"}
 #: A one-layer vision tower over 32x32 images.
 VISION = {
     "hidden_size": 64,
@@ -89,10 +91,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
     "qwen3_5": {"text_config": {**GQA, **DELTA_NET}},
-    "qwen3_5_moe": {"text_config": {**GQA, **DELTA_NET, **QWEN_MOE}},
+    "qwen3_5_moe": {"text_config": {**GQA_SPARSE, **DELTA_NET, **QWEN_MOE}},
     "qwen4_exp": {
         "text_config": {
-            **GQA,
+            **GQA_SPARSE,
             **DELTA_NET,
             **QWEN_MOE,
             "layer_types": ["indexed_attention", "linear_attention", "linear_attention"],
@@ -122,5 +124,5 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "global_attn_indexes": [0],
         },
     },
-    "fuyu": {"text_config": {**TEXT, "model_type": "persimmon"}, "image_size": 32, "patch_size": 8},
+    "fuyu": {"text_config": TEXT, "image_size": 32, "patch_size": 8},  # a persimmon text model
 }
