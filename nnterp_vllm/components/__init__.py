@@ -1,6 +1,6 @@
 """What each standardized value means and how it is read and written; no family's names."""
 
-from .attention import INTERFACE, Attention, HeadOutputs, needs_eager
+from .attention import INTERFACE, Attention, GatedAttention, HeadOutputs, needs_eager
 from .layer import Layer
 from .mixer import Mixer
 from .mlp import Mlp
@@ -13,6 +13,7 @@ __all__ = [
     "WHOLE",
     "Attention",
     "Delegate",
+    "GatedAttention",
     "Derived",
     "HeadOutputs",
     "Layer",

@@ -159,3 +159,27 @@ class Attention(Standard):
         description="Each head's contribution after the output projection [batch, seq, heads, hidden]",
         unavailable=lambda attention: attention.interior_reason(),
     )
+
+
+class GatedAttention(Attention):
+    """Attention that changes each head's mix (a gate) between the attention call and the output projection.
+
+    The per-head mix is read, and written, where the projection receives it; `HEAD_WIDTH` names the
+    module attribute holding one head's width there.
+    """
+
+    #: The module attribute holding one head's width in the premix.
+    HEAD_WIDTH = "head_dim"
+
+    @Value(
+        "{self.OUTPUT_PROJECTION}.input",
+        description="Per-head gated mix of the values entering the output projection [batch, seq, heads, head_dim]",
+        unavailable=lambda attention: attention.interior_reason(),
+    )
+    def attention_premix(self, value: Any) -> Any:
+        """Each head's gated mix of the values, before the heads are projected."""
+        return value.unflatten(-1, (-1, getattr(self._module, self.HEAD_WIDTH)))
+
+    @attention_premix.postprocess
+    def attention_premix(self, value: Any) -> Any:
+        return value.flatten(-2)

@@ -7,13 +7,10 @@ mix, read at the projection's input (what the heads' outputs are made of). ``mlp
 MLP on the first ``num_dense_layers`` blocks, then a sparse block with shared experts.
 """
 
-from typing import Any
-
 from transformers.models.afmoe import modeling_afmoe as hf
 
-from ..components import Attention as BaseAttention
+from ..components import GatedAttention, Value
 from ..components import Layer as BaseLayer
-from ..components import Value
 from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
@@ -22,21 +19,6 @@ RENAME = LLAMA_RENAME
 class AfmoeLayer(BaseLayer):
     attention_output = Value("post_attention_layernorm.output", description=BaseLayer.attention_output.description)
     mlp_output = Value("post_mlp_layernorm.output", description=BaseLayer.mlp_output.description)
-
-
-class GatedAttention(BaseAttention):
-    @Value(
-        "{self.OUTPUT_PROJECTION}.input",
-        description="Per-head gated mix of the values entering the output projection [batch, seq, heads, head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
-    )
-    def attention_premix(self, value: Any) -> Any:
-        """Each head's gated mix of the values, before the heads are projected."""
-        return value.unflatten(-1, (-1, self._module.head_dim))
-
-    @attention_premix.postprocess
-    def attention_premix(self, value: Any) -> Any:
-        return value.flatten(-2)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=AfmoeLayer, attention=GatedAttention, mlp_names={"ROUTER": "router"})

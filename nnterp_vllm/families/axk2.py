@@ -8,30 +8,16 @@ read at the projection's input. ``mlp`` is a dense MLP or a sparse block with sh
 ``mlp_layer_types`` says per block.
 """
 
-from typing import Any
-
 from transformers.models.axk2 import modeling_axk2 as hf
 
-from ..components import Attention as BaseAttention
-from ..components import Value
+from ..components import GatedAttention as BaseGatedAttention
 from ._layouts import LLAMA_RENAME, classes
 
 RENAME = LLAMA_RENAME
 
 
-class GatedAttention(BaseAttention):
-    @Value(
-        "{self.OUTPUT_PROJECTION}.input",
-        description="Per-head gated mix of the values entering the output projection [batch, seq, heads, v_head_dim]",
-        unavailable=lambda attention: attention.interior_reason(),
-    )
-    def attention_premix(self, value: Any) -> Any:
-        """Each head's gated mix of the values, before the heads are projected."""
-        return value.unflatten(-1, (-1, self._module.v_head_dim))
-
-    @attention_premix.postprocess
-    def attention_premix(self, value: Any) -> Any:
-        return value.flatten(-2)
+class GatedAttention(BaseGatedAttention):
+    HEAD_WIDTH = "v_head_dim"
 
 
 Layer, Attention, Mlp = classes(__name__, attention=GatedAttention, mlp_names={"ROUTER": "gate"})

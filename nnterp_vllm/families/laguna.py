@@ -8,8 +8,8 @@ heads. ``mlp`` is a dense MLP or a sparse block with shared experts whose routed
 
 from transformers.models.laguna import modeling_laguna as hf
 
+from ..components import GatedAttention
 from ._layouts import LLAMA_RENAME, classes
-from .afmoe import GatedAttention
 
 RENAME = LLAMA_RENAME
 

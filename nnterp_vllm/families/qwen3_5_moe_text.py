@@ -9,9 +9,8 @@ from typing import Any
 
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-from ..components import Mixer
+from ..components import GatedAttention, Mixer
 from ._layouts import LLAMA_RENAME, classes
-from .qwen3_next import GatedAttention
 
 RENAME = {**LLAMA_RENAME, "linear_attn": "mixer"}
 

@@ -6,9 +6,8 @@ gated mix entering ``o_proj``.
 
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from ..components import Mixer
+from ..components import GatedAttention, Mixer
 from ._layouts import LLAMA_RENAME, classes
-from .qwen3_next import GatedAttention
 
 RENAME = {**LLAMA_RENAME, "linear_attn": "mixer"}
 

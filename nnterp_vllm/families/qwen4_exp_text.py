@@ -13,10 +13,9 @@ from typing import Any
 from nnsight.intervention.envoy import Envoy
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
+from ..components import GatedAttention, Mixer, Value
 from ..components import Layer as BaseLayer
-from ..components import Mixer, Value
 from ._layouts import LLAMA_RENAME, classes
-from .qwen3_next import GatedAttention
 
 RENAME = {**LLAMA_RENAME, "linear_attn": "mixer", "model.hyper_connection_mixer": "norm"}
 del RENAME["model.norm"]
