@@ -162,7 +162,9 @@ def cell(column: str, row: dict[str, Any], outcomes: dict[str, str], reasons: li
     """✓ verified, ✗ claimed but failing, n/a where the architecture has no such value, or the reason it is
     unavailable (numbered below the table)."""
     support = row["support"]
-    claim = support.get(column) if column in support else None
+    if column not in support and column.partition(".")[1]:
+        return "n/a"  # no block has the module (attention on an attention-free model)
+    claim = support.get(column)
     if isinstance(claim, dict):
         gaps = {layer: reason for layer, reason in claim.items() if applicable(reason)}
         claim = gaps if gaps or len(claim) < row["layers"] else next(iter(claim.values()))
