@@ -182,7 +182,7 @@ def cell(column: str, row: dict[str, Any], outcomes: dict[str, str], reasons: li
 
 
 def table(rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]) -> tuple[list[str], dict[str, int]]:
-    """The markdown table and the counts."""
+    """The markdown table and the counts (``gap <column>``: partially served types missing that value)."""
     reasons: list[str] = []
     header = ["model_type", "family", *HEADERS.values()]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -198,6 +198,9 @@ def table(rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]) 
         cells = [cell(column, row, outcomes.get(model_type, {}), reasons) for column in HEADERS]
         verified = all(value in ("✓", "n/a") for value in cells)
         counts["every value verified" if verified else "partially served"] += 1
+        for header, value in zip(HEADERS.values(), cells):
+            if value.startswith("—"):
+                counts[f"gap {header}"] = counts.get(f"gap {header}", 0) + 1
         lines.append(f"| {model_type} | {row['family']} | " + " | ".join(cells) + " |")
     lines += ["", "Reasons:", ""] + [f"{i + 1}. {reason}" for i, reason in enumerate(reasons)]
     return lines, counts
@@ -237,7 +240,9 @@ def document(model_types: list[str]) -> str:
         "",
         f"- model_types walked: {counts['walked']}; family modules: {len(known & set(model_types))}",
         f"- served with every value verified: {counts['every value verified']}",
-        f"- served partially (— marks a value unavailable, with its reason): {counts['partially served']}",
+        f"- served partially (— marks a value unavailable, with its reason): {counts['partially served']}; "
+        "the values missing, by number of types: "
+        + ", ".join(f"{name[4:]} {count}" for name, count in counts.items() if name.startswith("gap ")),
         f"- refused or not built (reason given): {counts['refused or not built']}",
         f"- the default family alone, on the {len(without_module)} types without a module: verified layer_output "
         f"on {len(served)} ({', '.join(served) or 'none'})",

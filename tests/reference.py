@@ -39,14 +39,24 @@ def run(model: Any, prompt: str = PROMPT, **kwargs: Any) -> Any:
 def with_block_output(model: Any, layer: int | str, edit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
     """Run the model with block ``layer``'s hidden output replaced by ``edit(block_input, block_output)``.
 
-    ``layer`` is an index into `blocks`, or the block module's path in the plain model.
+    ``layer`` is an index into `blocks`, or the block module's path in the plain model. A model that runs
+    its blocks over positions of its own before the prompt's (learned prompt tokens) is edited at the
+    prompt's positions, the trailing ones.
     """
+    tokens = encode()["input_ids"].shape[1]
+
+    def at_prompt(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+        if hidden_out.shape[1] == tokens:
+            return edit(hidden_in, hidden_out)
+        hidden_out = hidden_out.clone()
+        hidden_out[:, -tokens:] = edit(hidden_in[:, -tokens:], hidden_out[:, -tokens:])
+        return hidden_out
 
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         hidden_in = args[0] if args else next(iter(kwargs.values()))
         if isinstance(output, (tuple, list)):
-            return type(output)([edit(hidden_in, output[0]), *output[1:]])
-        return edit(hidden_in, output)
+            return type(output)([at_prompt(hidden_in, output[0]), *output[1:]])
+        return at_prompt(hidden_in, output)
 
     block = model.get_submodule(layer) if isinstance(layer, str) else blocks(model)[layer]
     handle = block.register_forward_hook(hook, with_kwargs=True)
