@@ -132,10 +132,10 @@ def test_unknown_model_type_is_served_by_default_with_honest_gaps(monkeypatch):
 
 
 def test_default_check_refuses_what_it_cannot_serve():
-    path = tiny.checkpoint("cpmant")
+    path = tiny.checkpoint("modernbert-decoder")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(UnsupportedFamily, match=r"'cpmant'.*\['layers', 'embed_tokens', 'norm'\]"):
+        with pytest.raises(UnsupportedFamily, match=r"'modernbert-decoder'.*\['embed_tokens', 'norm'\]"):
             StandardizedTransformer(path)
 
 

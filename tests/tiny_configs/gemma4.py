@@ -30,5 +30,4 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 64,
     },
     "gemma4_unified_text": GEMMA4_LAYERS,
-    "cpmant": {"dim_head": 32, "dim_ff": 256},
 }
