@@ -126,7 +126,9 @@ class Standardized:
     logits = Value("output", select="logits", description="The model's logits [batch, seq, vocab]")
     token_embeddings = Value("embed_tokens.output", description="The token embeddings [batch, seq, hidden]")
     final_norm_output = Value("norm.output", description="The final norm's output [batch, seq, hidden]")
-    lm_head_output = Value("lm_head.output", description="The head's output, before any post-head step")
+    lm_head_output = Value(
+        "{self._unembedding_name}.output", description="The head's output, before any post-head step"
+    )
     input_ids = Value("inputs", select="input_ids", description="The token ids of the batch [batch, seq]")
     attention_mask = Value("inputs", select="attention_mask", description="The attention mask [batch, seq]")
     next_token_probs = Derived(_next_token_probs, description="Softmax of the last position's logits [batch, vocab]")
@@ -309,12 +311,18 @@ class Standardized:
         post_head = getattr(self.family, "post_head", None)
         return post_head(self, logits) if callable(post_head) else logits
 
+    @property
+    def _unembedding_name(self) -> str:
+        """The module projecting onto the vocabulary: ``lm_head``, or the family's ``UNEMBEDDING`` where
+        ``lm_head`` is taken by a module of the model's own (a prediction transform before the projection)."""
+        return getattr(self.family, "UNEMBEDDING", "lm_head")
+
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         final_norm = getattr(self.family, "final_norm", None)
         return final_norm(self, hidden) if callable(final_norm) else self.norm(hidden)
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed)
+        return getattr(self, self._unembedding_name)(normed)
 
     def get_topk_closest_tokens(self, vector: torch.Tensor, k: int = 10) -> list[list[tuple[str, float]]]:
         """The ``k`` tokens whose unembedding rows are closest (cosine) to ``vector``.
@@ -334,7 +342,7 @@ class Standardized:
         ]
 
     def _unembedding(self) -> torch.Tensor:
-        return self.lm_head._module.weight
+        return getattr(self, self._unembedding_name)._module.weight
 
     def logit_lens(self, prompts: Any, position: int = -1) -> torch.Tensor:
         """Next-token probabilities read off every block's output at ``position``: ``[batch, num_layers, vocab]``."""
