@@ -253,7 +253,7 @@ class Delegate(Value):
         if not isinstance(value, Value):
             if callable(getattr(type(child), "values", None)):
                 # e.g. a hybrid block whose native ``self_attn`` is its linear-attention mixer
-                return f"this block's {self.child} module is a {type(child).__name__} and has no {self.target}"
+                return f"this block has no {self.target}: its {self.child} module is a {type(child).__name__}"
             return f"{self.child} is not a standardized module on this family"
         return value.reason(child)
 

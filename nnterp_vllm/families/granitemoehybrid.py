@@ -28,7 +28,7 @@ def _residual_multiplier(host: Envoy) -> float:
 
 
 def _no_attention(block: Envoy) -> str | None:
-    return None if block._module.self_attn is not None else "this is a mamba block: it has no self_attn module"
+    return None if block._module.self_attn is not None else "this block has no self_attn module: it is a mamba block"
 
 
 class HybridLayer(BaseLayer):
