@@ -76,6 +76,32 @@ def test_attention_interior_equals_transformers(engines):
         close(vllm_value, hf_value)
 
 
+def served(model, name, layer):
+    entry = model.support()[name]
+    return entry is None or (isinstance(entry, dict) and layer not in entry)
+
+
+def test_router_logits_equal_transformers(engines):
+    """On a mixture of experts: the router's logits on every sparse block; the fused expert choice refused."""
+    _, on_vllm, on_hf = engines
+    routed = [i for i in range(on_hf.num_layers) if served(on_hf, "mlp.router_logits", i)]
+    if not routed:
+        pytest.skip("a dense family: no router")
+    assert routed == [i for i in range(on_vllm.num_layers) if served(on_vllm, "mlp.router_logits", i)]
+    results = []
+    for model, kwargs in ((on_vllm, greedy()), (on_hf, {})):
+        saved = []
+        with model.trace(reference.PROMPT, **kwargs):
+            for i in routed:
+                saved.append(model.layers[i].mlp.router_logits.save())
+        results.append(saved)
+    for vllm_value, hf_value in zip(*results):
+        assert vllm_value.shape == hf_value.shape and vllm_value.shape[-1] == on_hf.num_experts
+        close(vllm_value, hf_value)
+    reason = on_vllm.support()["mlp.expert_indices"]
+    assert "fused MoE kernel" in (reason if isinstance(reason, str) else reason[routed[0]])
+
+
 def test_residual_identity_on_vllm(engines):
     _, on_vllm, _ = engines
     rows, _, _ = read_blocks(on_vllm, **greedy())

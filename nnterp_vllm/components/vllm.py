@@ -239,4 +239,32 @@ class Mlp(BaseMlp):
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
 
 
-__all__ = ["FUSED", "Attention", "DualStream", "DualStreamLayer", "Flat", "Layer", "Mlp"]
+FUSED_MOE = (
+    "vLLM chooses each token's experts inside its fused MoE kernel, from router_logits, and hands the choice "
+    "to no module; read router_logits (its top-k, after the family's scoring, are the choices)"
+)
+
+
+def _fused_choice(mlp: Envoy) -> str:
+    return BaseMlp.router_logits.unavailable(mlp) or FUSED_MOE
+
+
+class SparseMlp(Mlp):
+    """A vLLM mixture-of-experts block: the router's logits are a module output; the expert choice is fused."""
+
+    ROUTER = "gate"
+
+    def _watch_tokens(self) -> None:
+        """vLLM's tokens are flat already: nothing to record."""
+
+    router_logits = Flat(
+        "{self.ROUTER}.output",
+        select=0,
+        description=BaseMlp.router_logits.description,
+        unavailable=BaseMlp.router_logits.unavailable,
+    )
+    expert_indices = Value(description=BaseMlp.expert_indices.description, unavailable=_fused_choice)
+    expert_weights = Value(description=BaseMlp.expert_weights.description, unavailable=_fused_choice)
+
+
+__all__ = ["FUSED", "FUSED_MOE", "Attention", "DualStream", "DualStreamLayer", "Flat", "Layer", "Mlp", "SparseMlp"]

@@ -107,6 +107,30 @@ def accelerator_noop() -> Iterator[None]:
                 setattr(torch.accelerator, name, originals[name])
 
 
+@contextlib.contextmanager
+def meta_moe_weights_unpacked() -> Iterator[None]:
+    """Leave mixture-of-experts weights unpacked in the weightless meta build, on CPU only.
+
+    vLLM's CPU MoE layers prepack their weights after loading with a kernel that has no meta
+    implementation; the meta copy only gives nnsight the module tree, so its weights stay as built.
+    """
+    if not is_cpu_platform():
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    prepack = cpu_moe.cpu_prepack_moe_weight
+
+    def prepack_real_weights(weight: torch.Tensor, isa: str) -> torch.Tensor:
+        return weight if weight.is_meta else prepack(weight, isa)
+
+    cpu_moe.cpu_prepack_moe_weight = prepack_real_weights
+    try:
+        yield
+    finally:
+        cpu_moe.cpu_prepack_moe_weight = prepack
+
+
 def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
     """The keyword arguments to build an nnsight vLLM model with, on this platform.
 
@@ -154,7 +178,7 @@ class PlatformVLLM(VLLM):
         return CPU_WORKER_CLS if is_cpu_platform() else VLLM._WORKER_CLS
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
-        with accelerator_noop():
+        with accelerator_noop(), meta_moe_weights_unpacked():
             return super()._load_meta(repo_id, **kwargs)
 
 

@@ -62,9 +62,14 @@ class PostNormVLLMLayer(on_vllm.DualStreamLayer):
     mlp_output = on_vllm.Flat("post_feedforward_layernorm.output", description=Layer.mlp_output.description)
 
 
-def vllm_classes(module: str, layer: type = on_vllm.DualStreamLayer, attention: type = on_vllm.Attention) -> tuple:
-    """A vLLM family's own ``Layer``, ``Attention`` and ``Mlp`` (llama-like blocks unless told otherwise)."""
-    return classes(module, layer=layer, attention=attention, mlp=on_vllm.Mlp)
+def vllm_classes(
+    module: str,
+    layer: type = on_vllm.DualStreamLayer,
+    attention: type = on_vllm.Attention,
+    mlp: type = on_vllm.Mlp,
+) -> tuple:
+    """A vLLM family's own ``Layer``, ``Attention`` and ``Mlp`` (llama-like dense blocks unless told otherwise)."""
+    return classes(module, layer=layer, attention=attention, mlp=mlp)
 
 
 def softcap(model: Any, logits: torch.Tensor) -> torch.Tensor:
