@@ -92,7 +92,12 @@ def config_kwargs(model_type: str, **extra: Any) -> dict[str, Any]:
         for key, value in SIZES.items()
         if _has(defaults, key) and not isinstance(getattr(config_class, key, None), property)
     }
-    return {**known, **OVERRIDES.get(model_type, {}), **extra}
+    kwargs = {**known, **OVERRIDES.get(model_type, {}), **extra}
+    # A multimodal wrapper's text model takes the keys its own model_type's tiny checkpoint is built with.
+    text_type = getattr(getattr(defaults, "text_config", None), "model_type", None)
+    if text_type in CONFIG_MAPPING and text_type != model_type:
+        kwargs["text_config"] = {**config_kwargs(text_type), **kwargs.get("text_config", {})}
+    return kwargs
 
 
 def checkpoint(model_type: str, seed: int = 0, **extra: Any) -> Path:
