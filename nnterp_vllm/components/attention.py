@@ -96,7 +96,7 @@ class Attention(Standard):
     #: Inside that call: the softmax's input (the scores) and the pattern the values are mixed with.
     SCORES = "nn_functional_softmax_0.input"
     PROBABILITIES = "nn_functional_dropout_0.output"
-    #: Whether the call returns the premix heads-first, ``[batch, heads, seq, head_dim]``.
+    #: Whether the premix is heads-first there, ``[batch, heads, seq, head_dim]``.
     PREMIX_HEADS_FIRST = False
     #: The output projection's name.
     OUTPUT_PROJECTION = "o_proj"
@@ -104,6 +104,11 @@ class Attention(Standard):
     def interior_reason(self) -> str | None:
         """Why the interior is not served on this module, or ``None``."""
         return needs_eager(self)
+
+    @property
+    def PREMIX(self) -> str:  # noqa: N802 - a key placeholder a family may set as a plain string
+        """Where the per-head mix is read: the call's output, unless a family names another operation's."""
+        return f"source.{self.INTERFACE}.output"
 
     @property
     def output_projection(self) -> Envoy:
@@ -142,11 +147,7 @@ class Attention(Standard):
         select=WHOLE,
     )
 
-    @interior(
-        "source.{self.INTERFACE}.output",
-        "Per-head mixed values before the output projection [batch, seq, heads, head_dim]",
-        select=0,
-    )
+    @interior("{self.PREMIX}", "Per-head mixed values before the output projection [batch, seq, heads, head_dim]")
     def attention_premix(self, value: Any) -> Any:
         """Each head's mix of the values, before the heads are concatenated and projected."""
         return value.transpose(1, 2) if self.PREMIX_HEADS_FIRST else value

@@ -46,6 +46,9 @@ def described(name: str) -> str:
 
 
 class GitAttention(Attention):
+    PREMIX = "self.source.torch_matmul_1.output"  # heads first, as the product returns it
+    PREMIX_HEADS_FIRST = True
+
     def interior_reason(self) -> str | None:
         return None  # one code path: GIT's attention has only its eager implementation
 
@@ -63,15 +66,6 @@ class GitAttention(Attention):
     attention_probabilities = Value(
         "self.source.self_dropout_0.output", select=WHOLE, description=described("attention_probabilities")
     )
-
-    @Value("self.source.torch_matmul_1.output", description=described("attention_premix"))
-    def attention_premix(self, value: Any) -> Any:
-        """Each head's mix of the values, heads first as the product returns it, in the standard layout."""
-        return value.transpose(1, 2)
-
-    @attention_premix.postprocess
-    def attention_premix(self, value: Any) -> Any:
-        return value.transpose(1, 2)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=GitLayer, attention=GitAttention)

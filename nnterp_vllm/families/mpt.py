@@ -31,6 +31,8 @@ def _value(key: str, base: str, select: Any = WHOLE) -> Value:
 
 class MptAttention(Attention):
     OUTPUT_PROJECTION = "out_proj"
+    PREMIX = "source.torch_matmul_1.output"
+    PREMIX_HEADS_FIRST = True
 
     def interior_reason(self) -> str | None:
         return None  # one code path whatever the attention implementation
@@ -42,14 +44,6 @@ class MptAttention(Attention):
     attention_values = _value("transpose_2.output", "attention_values")
     attention_scores = _value("nn_functional_softmax_0.input", "attention_scores", 0)
     attention_probabilities = _value("nn_functional_dropout_0.output", "attention_probabilities")
-
-    @Value("source.torch_matmul_1.output", select=WHOLE, description=Attention.attention_premix.description)
-    def attention_premix(self, value: Any) -> Any:
-        return value.transpose(1, 2)
-
-    @attention_premix.postprocess
-    def attention_premix(self, value: Any) -> Any:
-        return value.transpose(1, 2)
 
 
 class MptMlp(Mlp):

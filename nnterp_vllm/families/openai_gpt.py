@@ -38,6 +38,8 @@ class GPTAttention(Attention):
     QKV_ARGS = (0, 1, 2)
     PROBABILITIES = "self_attn_dropout_0.output"
     OUTPUT_PROJECTION = "c_proj"
+    PREMIX = "source.self_merge_heads_0.input"  # heads first, as merge_heads receives it
+    PREMIX_HEADS_FIRST = True
 
     attention_output = Value("output", select=0, description=Attention.attention_output.description)
 
@@ -49,15 +51,6 @@ class GPTAttention(Attention):
     @attention_keys.postprocess
     def attention_keys(self, value: Any) -> Any:
         return value.transpose(-1, -2)
-
-    @interior("source.self_merge_heads_0.input", Attention.attention_premix.description)
-    def attention_premix(self, value: Any) -> Any:
-        """Each head's mix of the values as ``merge_heads`` receives it, heads first, in the standard layout."""
-        return value.transpose(1, 2)
-
-    @attention_premix.postprocess
-    def attention_premix(self, value: Any) -> Any:
-        return value.transpose(1, 2)
 
 
 Layer, Attention, Mlp = classes(__name__, layer=GPTLayer, attention=GPTAttention)
