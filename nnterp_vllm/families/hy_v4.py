@@ -10,15 +10,13 @@ gated mix, see `axk2`). ``mlp`` is a dense MLP or a sparse block with shared exp
 ``mlp_layer_types`` says per block.
 """
 
-from typing import Any
-
-import torch
 from transformers.models.hy_v4 import modeling_hy_v4 as hf
 
 from ..components import Layer as BaseLayer
 from ..components import unavailable
 from ._layouts import LLAMA_RENAME, classes
 from .axk2 import GatedAttention
+from .deepseek_v4 import final_norm
 
 RENAME = LLAMA_RENAME
 
@@ -49,8 +47,4 @@ class SinkAttention(GatedAttention):
 
 Layer, Attention, Mlp = classes(__name__, layer=StreamsLayer, attention=SinkAttention, mlp_names={"ROUTER": "gate"})
 ENVOYS = {hf.HYV4DecoderLayer: Layer, hf.HYV4Attention: Attention, hf.HYV4MoE: Mlp, hf.HYV4MLP: Mlp}
-
-
-def final_norm(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The streams collapsed by ``hc_head``, then the final norm."""
-    return model.norm(model.model.hc_head(hidden))
+__all__ = ["ENVOYS", "RENAME", "Attention", "Layer", "Mlp", "final_norm"]
