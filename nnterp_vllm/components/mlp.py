@@ -61,15 +61,12 @@ class Mlp(Standard):
     #: The experts module's name.
     EXPERTS = "experts"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._watch_tokens()
-
-    def _update(self, module: Any) -> None:
-        super()._update(module)
+    def _prepare(self) -> None:
+        super()._prepare()
         self._watch_tokens()
 
     def _watch_tokens(self) -> None:
+        """Record the MoE block's batch and sequence sizes as it is called, for the routing values' shape."""
         module = self._module
         if self.ROUTER is not None and not getattr(module, "_nnterp_token_hook", False):
             module.register_forward_pre_hook(_record_token_shape, with_kwargs=True)

@@ -18,11 +18,14 @@ class Standard(Envoy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.SOURCED:
-            self.source  # noqa: B018 - reading it instruments the forward
+        self._prepare()
 
     def _update(self, module: Any) -> None:
         super()._update(module)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Ready the module for this envoy's values: when the envoy is built and when its module is replaced."""
         if self.SOURCED:
             self.source  # noqa: B018 - reading it instruments the forward
 
