@@ -62,17 +62,24 @@ def test_values_equal_transformers(engines):
     close(vllm_logits, hf_logits)
 
 
-def test_attention_interior_equals_transformers(engines):
+def read_on_both(engines, names, layers):
+    """Values ``names`` of module ``layers[i].<child>`` (``"self_attn.attention_keys"``), saved in one trace on
+    each engine: (vLLM's, transformers')."""
     _, on_vllm, on_hf = engines
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_premix", "attention_head_outputs")
     results = []
     for model, kwargs in ((on_vllm, greedy()), (on_hf, {})):
         saved = []
         with model.trace(reference.PROMPT, **kwargs):
-            for name in names:
-                saved.append(getattr(model.layers[1].self_attn, name).save())
+            for i in layers:
+                for name in names:
+                    saved.append(model.layers[i].get(name).save())
         results.append(saved)
-    for vllm_value, hf_value in zip(*results):
+    return results
+
+
+def test_attention_interior_equals_transformers(engines):
+    names = ("attention_queries", "attention_keys", "attention_values", "attention_premix", "attention_head_outputs")
+    for vllm_value, hf_value in zip(*read_on_both(engines, [f"self_attn.{name}" for name in names], [1])):
         close(vllm_value, hf_value)
 
 
@@ -88,14 +95,7 @@ def test_router_logits_equal_transformers(engines):
     if not routed:
         pytest.skip("a dense family: no router")
     assert routed == [i for i in range(on_vllm.num_layers) if served(on_vllm, "mlp.router_logits", i)]
-    results = []
-    for model, kwargs in ((on_vllm, greedy()), (on_hf, {})):
-        saved = []
-        with model.trace(reference.PROMPT, **kwargs):
-            for i in routed:
-                saved.append(model.layers[i].mlp.router_logits.save())
-        results.append(saved)
-    for vllm_value, hf_value in zip(*results):
+    for vllm_value, hf_value in zip(*read_on_both(engines, ["mlp.router_logits"], routed)):
         assert vllm_value.shape == hf_value.shape and vllm_value.shape[-1] == on_hf.num_experts
         close(vllm_value, hf_value)
     reason = on_vllm.support()["mlp.expert_indices"]
