@@ -24,7 +24,7 @@ def _router_reason(mlp: Envoy) -> str | None:
 
 
 def _experts_reason(mlp: Envoy) -> str | None:
-    return _routing_reason(mlp, mlp.ROUTER, "router") or _routing_reason(mlp, mlp.EXPERTS, "experts module")
+    return _router_reason(mlp) or _routing_reason(mlp, mlp.EXPERTS, "experts module")
 
 
 def _record_token_shape(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

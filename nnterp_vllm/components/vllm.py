@@ -234,7 +234,7 @@ for _name in ("attention_queries", "attention_keys", "attention_values"):
 
 
 class Mlp(BaseMlp):
-    """A vLLM MLP (dense on every vLLM family served: no router)."""
+    """A vLLM dense MLP (no router); `SparseMlp` serves a mixture of experts."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
 

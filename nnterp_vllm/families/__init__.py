@@ -74,7 +74,8 @@ def lookup(model_type: str, engine: str | None = None) -> ModuleType:
 
     On transformers a type without a module warns and gets the `default` family; on vLLM
     there is no default and it raises `UnsupportedFamily`, as it does on both engines for a
-    type refused with its reason (``_refused.REFUSED``: encoder-only and encoder-decoder types).
+    type refused with its reason (``_refused.REFUSED``: encoder-only and encoder-decoder types, and
+    architectures without one residual stream through one stack of blocks).
     An error raised inside a family module while it imports is re-raised as it is.
     """
     engine = _engine(engine)
