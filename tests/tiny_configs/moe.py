@@ -17,6 +17,15 @@ ROUTED = {
     "first_k_dense_replace": 1,
     "routed_scaling_factor": 2.0,
 }
+#: Multi-head latent attention at the tiny sizes; its keys are expanded to every head before the attention call.
+LATENT = {
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "num_key_value_heads": 4,
+}
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mixtral": MOE,
@@ -49,27 +58,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "moe_layer_start_index": 1,
     },
     "glm4_moe": ROUTED,
-    "deepseek_v3": {
-        **ROUTED,
-        "n_group": 2,
-        "topk_group": 1,
-        "q_lora_rank": 64,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32,
-        "v_head_dim": 32,
-        "num_key_value_heads": 4,  # its keys are expanded to every head before the attention call
-    },
-    "deepseek_v2": {
-        **ROUTED,
-        "topk_method": "greedy",
-        "q_lora_rank": 64,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32,
-        "v_head_dim": 32,
-        "num_key_value_heads": 4,
-    },
+    "deepseek_v3": {**ROUTED, **LATENT, "n_group": 2, "topk_group": 1},
+    "deepseek_v2": {**ROUTED, **LATENT, "topk_method": "greedy"},
     "afmoe": {
         "num_experts": 4,
         "num_experts_per_tok": 2,

@@ -20,6 +20,17 @@ ROUTING = {
 GROUPED = {"n_routed_experts": 4, **ROUTING}
 #: Multi-head latent attention at head_dim 32.
 LATENT = {"q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32}
+#: Granite's experts beside a shared MLP, its multipliers away from 1.
+GRANITE_SHARED = {
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 64,
+    "shared_intermediate_size": 64,
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 4.0,
+}
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mellum": {
@@ -76,25 +87,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 64,
         "router_scaling_factor": 2.0,
     },
-    "granitemoeshared": {
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "intermediate_size": 64,
-        "shared_intermediate_size": 64,
-        "embedding_multiplier": 2.0,
-        "residual_multiplier": 0.5,
-        "attention_multiplier": 0.2,
-        "logits_scaling": 4.0,
-    },
+    "granitemoeshared": GRANITE_SHARED,
     "granitemoe_swa": {
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "intermediate_size": 64,
-        "shared_intermediate_size": 64,
-        "embedding_multiplier": 2.0,
-        "residual_multiplier": 0.5,
-        "attention_multiplier": 0.2,
-        "logits_scaling": 4.0,
+        **GRANITE_SHARED,
         "sliding_window": 16,
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
         "layer_rope_theta": [0, 10000.0, 20000.0],  # no rotary positions on the first block
