@@ -52,6 +52,7 @@ __all__ = [
     "engine_kwargs",
     "is_cpu_platform",
     "shutdown",
+    "transformers_classes_kept",
 ]
 
 #: Dotted path of the nnsight worker for vLLM's CPU platform (what vLLM imports in each worker).
@@ -131,6 +132,41 @@ def meta_moe_weights_unpacked() -> Iterator[None]:
         cpu_moe.cpu_prepack_moe_weight = prepack
 
 
+@contextlib.contextmanager
+def transformers_classes_kept() -> Iterator[None]:
+    """Give transformers' model classes back, on the way out, what vLLM's Transformers backend patched into them.
+
+    To run an architecture it has no code of its own for, vLLM builds transformers' own model and marks its
+    decoder class (``OlmoModel``, ...) for torch.compile by patching the class itself, for the whole process: its
+    ``__init__`` then asks for a current vLLM config, so the class no longer builds outside vLLM and a
+    `StandardizedTransformer` of the same architecture in the same process fails. The instances built inside the
+    block keep what the patch gave them (eager engines never compile them); the classes get their own attributes
+    back. The compile wrapper vLLM appends to their bases stays (its hooks refer to the instances built): every
+    name it defines is shadowed by ``torch.nn.Module``'s or unused outside vLLM.
+    """
+    from vllm.compilation import decorators
+
+    mark = decorators._support_torch_compile
+    marked: list[tuple[type, dict[str, Any]]] = []
+
+    def marking(cls: type, *args: Any, **kwargs: Any) -> type:
+        if cls.__module__.startswith("transformers."):
+            marked.append((cls, dict(vars(cls))))
+        return mark(cls, *args, **kwargs)
+
+    decorators._support_torch_compile = marking
+    try:
+        yield
+    finally:
+        decorators._support_torch_compile = mark
+        for cls, namespace in reversed(marked):
+            for name in set(vars(cls)) - set(namespace):
+                delattr(cls, name)
+            for name, value in namespace.items():
+                if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+                    setattr(cls, name, value)
+
+
 def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
     """The keyword arguments to build an nnsight vLLM model with, on this platform.
 
@@ -178,8 +214,12 @@ class PlatformVLLM(VLLM):
         return CPU_WORKER_CLS if is_cpu_platform() else VLLM._WORKER_CLS
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
-        with accelerator_noop(), meta_moe_weights_unpacked():
+        with accelerator_noop(), meta_moe_weights_unpacked(), transformers_classes_kept():
             return super()._load_meta(repo_id, **kwargs)
+
+    def _load(self, repo_id: str, **kwargs: Any) -> Module:
+        with transformers_classes_kept():
+            return super()._load(repo_id, **kwargs)
 
 
 def shutdown(model: Any) -> None:
