@@ -10,6 +10,7 @@ the copy is written back when the worker moves on, as an assignment would be.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -18,9 +19,11 @@ from nnsight.intervention.envoy import Envoy
 
 from .attention import HeadOutputs
 from .layer import Layer as BaseLayer
+from .mixer import Mixer as BaseMixer
 from .mlp import Mlp as BaseMlp
+from .mlp import PerToken
 from .standard import Standard
-from .values import Delegate, Value, unavailable
+from .values import Delegate, Scaled, Value, unavailable
 
 FUSED = (
     "vLLM computes the attention pattern inside its fused attention kernel and never materializes it; "
@@ -52,6 +55,92 @@ class Flat(Value):
 
     def accept(self, host: Envoy, value: Any) -> Any:
         return flat(super().accept(host, value), self.name)
+
+
+class FlatScaled(Flat, Scaled):
+    """A flat value times a factor (`Scaled`): what a block adds where it scales a sublayer's output first."""
+
+
+def one_prompt(value: Any, name: str) -> torch.Tensor:
+    """A written ``[1, seq, ...]`` tensor, as a copy; anything else is refused naming the shape wanted."""
+    return flat(value, name).unsqueeze(0)
+
+
+def on_transformers_backend(host: Envoy) -> bool:
+    """Whether the model runs on vLLM's Transformers backend: transformers' own modules, fed ``[1, tokens, ...]``.
+
+    vLLM serves an architecture it has no model code of its own for by running transformers' modules (with its
+    linears, norms and attention kernel swapped in) over the flat batch given a leading axis of one.
+    """
+    from vllm.model_executor.models.transformers.base import Base
+
+    return isinstance(host.root._module, Base)
+
+
+class Copied(Value):
+    """A value vLLM already holds as ``[1, tokens, ...]`` (a transformers module's, on the Transformers backend):
+    served as a copy, written back by assignment."""
+
+    writes_back = True
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        return super().serve(host, part.clone())
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        return one_prompt(super().accept(host, value), self.name)
+
+
+class Hidden(Flat):
+    """A value at a module around the blocks (the embeddings, the final norm): flat where vLLM runs its own model
+    code, ``[1, tokens, ...]`` where it runs transformers' modules on its Transformers backend."""
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        if on_transformers_backend(host):
+            return Value.serve(self, host, part.clone())
+        return super().serve(host, part)
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        if on_transformers_backend(host):
+            return one_prompt(Value.accept(self, host, value), self.name)
+        return super().accept(host, value)
+
+
+@functools.cache
+def _copied_class(kind: type) -> type:
+    cls = type(f"Copied{kind.__name__}", (Copied, kind), {"__module__": __name__})
+    globals()[cls.__name__] = cls  # found by name when a model pickles into vLLM's workers
+    return cls
+
+
+def _routed_in_kernel(mlp: Envoy) -> str | None:
+    """Why the backend serves no expert choice: it replaced the MoE block's routing with its fused kernel's."""
+    from vllm.model_executor.models.transformers.moe import TransformersMoERunner
+
+    experts = getattr(mlp._module, mlp.EXPERTS, None)
+    return None if experts is None or isinstance(experts, TransformersMoERunner) else FUSED_MOE
+
+
+def _either(first: Any, then: Any) -> Any:
+    return lambda host: (first(host) if callable(first) else first) or then(host)
+
+
+def copied(value: Value) -> Value:
+    """``value`` (a transformers family's) as served on the Transformers backend: the same location, read as a copy.
+
+    A routing value the MoE block holds as ``[tokens, ...]`` over the whole batch stays flat there, as on vLLM's
+    own model code; the expert choice is served where the backend leaves the routing to transformers' module, which
+    hands the choice to the experts (vLLM's kernel then runs them).
+    """
+    kind = type(value)
+    if issubclass(kind, Flat) or type(value).read is not Value.read:
+        return value  # already vLLM's, or computed from other values
+    cls = Flat if issubclass(kind, PerToken) else _copied_class(kind)
+    served = cls.__new__(cls)
+    property.__init__(served)
+    served.__dict__.update(value.__dict__)
+    if value.name in ("expert_indices", "expert_weights"):
+        served.unavailable = _either(value.unavailable, _routed_in_kernel)
+    return served
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -103,10 +192,20 @@ def heads_merged(host: Envoy, value: torch.Tensor) -> torch.Tensor:
     return value.transpose(1, 2).reshape(*value.shape[:1], value.shape[2], -1)
 
 
+def _arguments(layer: Envoy, *names: str) -> tuple[tuple[int, str], ...]:
+    """Where a block's forward takes each of ``names``: ``((position, name), ...)``."""
+    parameters = [name for name in inspect.signature(type(layer._module).forward).parameters if name != "self"]
+    return tuple((parameters.index(name), name) for name in names)
+
+
 def stream_arguments(layer: Envoy) -> tuple[tuple[int, str], tuple[int, str]]:
     """Where a block's forward takes ``hidden_states`` and ``residual``: ``((position, name), ...)``."""
-    names = [name for name in inspect.signature(type(layer._module).forward).parameters if name != "self"]
-    return tuple((names.index(name), name) for name in ("hidden_states", "residual"))
+    return _arguments(layer, "hidden_states", "residual")
+
+
+def stream_argument(layer: Envoy) -> tuple[int, str]:
+    """Where a block's forward takes ``hidden_states``: ``(position, name)`` (after ``positions`` on most families)."""
+    return _arguments(layer, "hidden_states")[0]
 
 
 def _argument(call: tuple, where: tuple[int, str]) -> Any:
@@ -121,6 +220,16 @@ def _with_argument(call: tuple, where: tuple[int, str], value: Any) -> tuple:
     if position < len(args):
         return (*args[:position], value, *args[position + 1 :]), kwargs
     return args, {**kwargs, name: value}
+
+
+class Argument(Flat):
+    """One argument of a module's forward, wherever the caller passes it: ``select`` is ``(position, name)``."""
+
+    def pick(self, attribute: str, raw: Any, select: Any) -> Any:
+        return _argument(raw, select)
+
+    def put(self, attribute: str, current: Any, part: Any, select: Any) -> Any:
+        return _with_argument(current, select, part)
 
 
 class DualStream(Flat):
@@ -148,9 +257,12 @@ class DualStream(Flat):
 
 
 class Layer(Standard):
-    """A vLLM decoder block whose stream is one tensor (GPT-2)."""
+    """A vLLM decoder block whose stream is one tensor: its ``hidden_states`` argument in, its output (or the
+    output's first element, beside a residual the next block does not read) out (GPT-2, GPT-J, Cohere, StableLM)."""
 
-    layer_input = Flat("input", description="The residual stream entering the block [1, seq, hidden]")
+    layer_input = Argument(
+        "inputs", select=stream_argument, description="The residual stream entering the block [1, seq, hidden]"
+    )
     layer_output = Flat("output", description="The residual stream leaving the block [1, seq, hidden]")
     attention_output = Delegate(
         "self_attn", "attention_output", description="What the attention sublayer adds to the residual stream"
@@ -233,10 +345,27 @@ for _name in ("attention_queries", "attention_keys", "attention_values"):
     getattr(Attention, _name).postprocess(heads_merged)
 
 
+class TransformersAttention(Attention):
+    """A transformers attention module on vLLM's Transformers backend: its own projections, around vLLM's kernel.
+
+    The backend hands the kernel (``attn``) flat queries, keys and values after rotary, as vLLM's own model code
+    does; the module's output and its output projection's are ``[1, tokens, hidden]``.
+    """
+
+    _projection_output = Copied("{self.OUTPUT_PROJECTION}.output")
+    attention_output = Copied("output", description=Attention.attention_output.description)
+
+
 class Mlp(BaseMlp):
     """A vLLM dense MLP (no router); `SparseMlp` serves a mixture of experts."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
+
+
+class Mixer(BaseMixer):
+    """A vLLM token mixer other than attention (a mamba scan, a short convolution) in a block's ``mixer`` slot."""
+
+    mixer_output = Flat("output", description=BaseMixer.mixer_output.description)
 
 
 FUSED_MOE = (
@@ -259,7 +388,6 @@ class SparseMlp(Mlp):
 
     router_logits = Flat(
         "{self.ROUTER}.output",
-        select=0,
         description=BaseMlp.router_logits.description,
         unavailable=BaseMlp.router_logits.unavailable,
     )
@@ -267,4 +395,22 @@ class SparseMlp(Mlp):
     expert_weights = Value(description=BaseMlp.expert_weights.description, unavailable=_fused_choice)
 
 
-__all__ = ["FUSED", "FUSED_MOE", "Attention", "DualStream", "DualStreamLayer", "Flat", "Layer", "Mlp", "SparseMlp"]
+__all__ = [
+    "FUSED",
+    "FUSED_MOE",
+    "Argument",
+    "Attention",
+    "Copied",
+    "DualStream",
+    "DualStreamLayer",
+    "Flat",
+    "FlatScaled",
+    "Hidden",
+    "Layer",
+    "Mixer",
+    "Mlp",
+    "SparseMlp",
+    "TransformersAttention",
+    "copied",
+    "on_transformers_backend",
+]

@@ -1,0 +1,14 @@
+"""Gemma-3 text on vLLM: Gemma-2's post-sublayer norms, embeddings scaled outside the embedding module."""
+
+from vllm.model_executor.models import gemma3 as vllm_gemma3
+
+from .._layouts import LLAMA_RENAME, softcap, vllm_classes
+from .gemma import UNAVAILABLE
+
+RENAME = LLAMA_RENAME
+Layer, Attention, Mlp = vllm_classes(
+    __name__, attention_output="post_attention_layernorm.output", mlp_output="post_feedforward_layernorm.output"
+)
+ENVOYS = {vllm_gemma3.Gemma3DecoderLayer: Layer, vllm_gemma3.Gemma3Attention: Attention, vllm_gemma3.Gemma3MLP: Mlp}
+post_head = softcap
+__all__ = ["ENVOYS", "RENAME", "UNAVAILABLE", "Attention", "Layer", "Mlp", "post_head"]
