@@ -52,7 +52,7 @@ BLOCK_VALUES = (
 STREAM = ("layer_input", "attention_output", "mixer_output", "mlp_output", "layer_output")
 INTERIOR = tuple(name for name in BLOCK_VALUES if name.startswith("self_attn."))
 ROUTING = tuple(name for name in BLOCK_VALUES if name.startswith("mlp."))
-ROOT_VALUES = ("token_embeddings", "final_norm_output", "logits")
+ROOT_VALUES = ("token_embeddings", "final_norm_output", "logits", "next_token_probs")
 
 
 def close(actual, expected, msg=None, **tolerance):
@@ -84,7 +84,7 @@ class Runs:
         plan = [(None, "token_embeddings")] if all(claimed(table, "token_embeddings") for table in both) else []
         for layer in range(self.on_hf.num_layers):
             plan += [(layer, name) for name in BLOCK_VALUES if all(claimed(table, name, layer) for table in both)]
-        return plan + [(None, "final_norm_output"), (None, "logits")]
+        return plan + [(None, name) for name in ROOT_VALUES[1:] if all(claimed(table, name) for table in both)]
 
     def _read(self, model, **kwargs):
         plan = self.plan  # a trace body sends what it names to the engine: not this object
@@ -106,11 +106,12 @@ class Runs:
                 model.steer([0, last], vector, factor=1.5, positions=[1, -1])
                 steered = model.next_token_probs.save()
             with tracer.invoke(reference.OTHER_PROMPT):
-                plain = model.logits.save()
+                plain = model.layers[last].layer_output.save()
+                plain_probs = model.next_token_probs.save()
             with tracer.invoke(reference.PROMPT):
                 model.skip_layers(1)
-                skipped = model.logits.save()
-        return {"steered": steered, "plain": plain, "skipped": skipped}
+                skipped = model.next_token_probs.save()
+        return {"steered": steered, "plain": plain, "plain_probs": plain_probs, "skipped": skipped}
 
     def _intervened_one_by_one(self, model, vector):
         """The same interventions on transformers, one prompt per trace (no padding between them)."""
@@ -119,11 +120,12 @@ class Runs:
             model.steer([0, last], vector, factor=1.5, positions=[1, -1])
             steered = model.next_token_probs.save()
         with model.trace(reference.OTHER_PROMPT):
-            plain = model.logits.save()
+            plain = model.layers[last].layer_output.save()
+            plain_probs = model.next_token_probs.save()
         with model.trace(reference.PROMPT):
             model.skip_layers(1)
-            skipped = model.logits.save()
-        return {"steered": steered, "plain": plain, "skipped": skipped}
+            skipped = model.next_token_probs.save()
+        return {"steered": steered, "plain": plain, "plain_probs": plain_probs, "skipped": skipped}
 
     @functools.cached_property
     def interventions(self):
@@ -210,9 +212,9 @@ def test_residual_identity_on_vllm(runs):
 def test_interventions_match_transformers(runs):
     """Steering, skipping and a plain prompt, as three invokes of one vLLM trace, equal transformers' runs."""
     on_vllm, on_hf = runs.interventions
-    close(on_vllm["steered"], on_hf["steered"], atol=1e-5, rtol=1e-4)
+    for name in ("steered", "plain_probs", "skipped"):
+        close(on_vllm[name], on_hf[name], msg=lambda message, name=name: f"{name}: {message}", atol=1e-5, rtol=1e-4)
     close(on_vllm["plain"], on_hf["plain"])
-    close(on_vllm["skipped"], on_hf["skipped"])
 
 
 def test_steered_greedy_generation_matches_transformers(runs):

@@ -296,8 +296,8 @@ class Attention(Standard):
 
     @property
     def output_projection(self) -> Envoy:
-        """The envoy of the output projection."""
-        return getattr(self, self.OUTPUT_PROJECTION)
+        """The envoy of the output projection (``OUTPUT_PROJECTION`` may be a dotted path)."""
+        return self.get(self.OUTPUT_PROJECTION)
 
     _projection_output = Flat("{self.OUTPUT_PROJECTION}.output")
 
