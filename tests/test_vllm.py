@@ -236,7 +236,29 @@ def test_support_claims_only_verified_values(runs):
                 assert claimed(hf_table, name, layer), f"{name} (layer {layer}) is claimed on vLLM only"
     pattern = vllm_table.get("self_attn.attention_probabilities")
     if pattern is not None:
-        assert "fused attention kernel" in (pattern if isinstance(pattern, str) else next(iter(pattern.values())))
+        reasons = [pattern] if isinstance(pattern, str) else pattern.values()
+        assert any("fused attention kernel" in reason for reason in reasons), pattern
+
+
+def test_coverage_row_is_current(runs):
+    """COVERAGE.md's vLLM row for this type is what the harness finds (this file verifies its ✓ marks)."""
+    import family_coverage as harness
+    from test_coverage import checked_in, marks, rows_of
+
+    row = {
+        "status": "loaded",
+        "family": runs.on_vllm.family.__name__.rsplit(".", 1)[-1],
+        "layers": runs.on_vllm.num_layers,
+        "support": {name: reason for name, reason in runs.vllm_table.items() if name != "engine"},
+    }
+    verified = {test: "passed" for tests in harness.VLLM_COLUMNS.values() for test in tests}
+    found = rows_of("\n".join(harness.vllm_table({runs.model_type: row}, {runs.model_type: verified})[0]))
+    recorded = checked_in()[1].get(runs.model_type)
+    assert recorded is not None, f"COVERAGE.md has no vLLM row for {runs.model_type}"
+    assert marks(found[runs.model_type]) == marks(recorded), (
+        f"COVERAGE.md's vLLM row for {runs.model_type} is stale: the harness finds {found[runs.model_type]!r}; "
+        "regenerate it with `python tests/family_coverage.py`"
+    )
 
 
 # -- the engine, whatever the family (on llama) ----------------------------------------------------------------
@@ -296,10 +318,14 @@ def test_nnsight_save_of_a_container_works_on_vllm(llama):
 
 
 def test_unsupported_type_and_prefix_caching_are_refused():
-    with pytest.raises(UnsupportedFamily, match=r"no vLLM family for model_type 'codegen'.*llama"):
+    """Refused before anything loads: with the reason for a type the vLLM engine refuses, and for a type without a
+    vLLM family."""
+    with pytest.raises(UnsupportedFamily, match=r"model_type 'codegen' is not served on vLLM: no vLLM architecture"):
         StandardizedVLLM(tiny.checkpoint("codegen"))
     with pytest.raises(UnsupportedFamily, match=r"model_type 'bamba' is not served on vLLM: .*attention interface"):
         StandardizedVLLM(tiny.checkpoint("bamba"))
+    with pytest.raises(UnsupportedFamily, match=r"no vLLM family for model_type 'no_such_type'.*llama"):
+        families.lookup("no_such_type", engine=families.VLLM)
     with pytest.raises(ValueError, match="prefix_caching"):
         StandardizedVLLM(tiny.checkpoint("llama"), enable_prefix_caching=True)
 

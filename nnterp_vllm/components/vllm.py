@@ -61,6 +61,41 @@ class FlatScaled(Flat, Scaled):
     """A flat value times a factor (`Scaled`): what a block adds where it scales a sublayer's output first."""
 
 
+class _Part(Flat):
+    """One module output a `Summed` value adds up (read as a copy; nothing written back)."""
+
+    writes_back = False
+
+
+class Summed(Value):
+    """What a block adds as a sum it computes inline from module outputs, each times a factor: read-only.
+
+    ``parts`` are ``(key, scale)`` pairs, in forward order (or a function of the block returning them): a module
+    output relative to the block and the block attribute (or function of the block) holding its factor, or
+    ``None``. The sum is an expression in the block's forward that no module returns, so it can be read but not
+    written; write its parts' modules instead.
+    """
+
+    def __init__(self, *parts: Any, description: str = "", unavailable: Any = None) -> None:
+        super().__init__(description=description, unavailable=unavailable, writable=False)
+        self.parts = parts[0] if len(parts) == 1 and callable(parts[0]) else parts
+
+    def read(self, host: Envoy) -> Any:
+        self.check(host)
+        total = 0
+        for key, scale in self.parts(host) if callable(self.parts) else self.parts:
+            factor = 1 if scale is None else scale(host) if callable(scale) else getattr(host._module, scale)
+            total = total + _part(key).read(host) * factor
+        return total
+
+
+@functools.cache
+def _part(key: str) -> _Part:
+    part = _Part(key)
+    part.name = key
+    return part
+
+
 def one_prompt(value: Any, name: str) -> torch.Tensor:
     """A written ``[1, seq, ...]`` tensor, as a copy; anything else is refused naming the shape wanted."""
     return flat(value, name).unsqueeze(0)
@@ -410,6 +445,7 @@ __all__ = [
     "Mixer",
     "Mlp",
     "SparseMlp",
+    "Summed",
     "TransformersAttention",
     "copied",
     "on_transformers_backend",
