@@ -69,6 +69,23 @@ def claimed(table, name, layer=None):
     return entry is None or (layer is not None and isinstance(entry, dict) and layer not in entry)
 
 
+def steer_both_ends(model, vector):
+    """Steer the first and last blocks at two positions (inside a trace); the next-token probabilities, saved."""
+    model.steer([0, model.num_layers - 1], vector, factor=1.5, positions=[1, -1])
+    return model.next_token_probs.save()
+
+
+def last_output_and_probabilities(model):
+    """The last block's output and the next-token probabilities of a plain run (inside a trace), saved."""
+    return model.layers[model.num_layers - 1].layer_output.save(), model.next_token_probs.save()
+
+
+def skip_one(model):
+    """Skip block 1 (inside a trace); the next-token probabilities, saved."""
+    model.skip_layers(1)
+    return model.next_token_probs.save()
+
+
 class Runs:
     """The runs the checks compare, made once per engine pair; a run that fails is retried by the next test."""
 
@@ -99,32 +116,27 @@ class Runs:
         """``{(layer, name): tensor}`` on each engine: (vLLM's, transformers')."""
         return self._read(self.on_vllm, **greedy()), self._read(self.on_hf)
 
-    def _intervened(self, model, vector, **kwargs):
-        last = model.num_layers - 1
+    @staticmethod
+    def _intervened(model, vector, **kwargs):
+        """The three interventions as invokes of one trace (vLLM)."""
         with model.trace(**kwargs) as tracer:
             with tracer.invoke(reference.PROMPT):
-                model.steer([0, last], vector, factor=1.5, positions=[1, -1])
-                steered = model.next_token_probs.save()
+                steered = steer_both_ends(model, vector)
             with tracer.invoke(reference.OTHER_PROMPT):
-                plain = model.layers[last].layer_output.save()
-                plain_probs = model.next_token_probs.save()
+                plain, plain_probs = last_output_and_probabilities(model)
             with tracer.invoke(reference.PROMPT):
-                model.skip_layers(1)
-                skipped = model.next_token_probs.save()
+                skipped = skip_one(model)
         return {"steered": steered, "plain": plain, "plain_probs": plain_probs, "skipped": skipped}
 
-    def _intervened_one_by_one(self, model, vector):
+    @staticmethod
+    def _intervened_one_by_one(model, vector):
         """The same interventions on transformers, one prompt per trace (no padding between them)."""
-        last = model.num_layers - 1
         with model.trace(reference.PROMPT):
-            model.steer([0, last], vector, factor=1.5, positions=[1, -1])
-            steered = model.next_token_probs.save()
+            steered = steer_both_ends(model, vector)
         with model.trace(reference.OTHER_PROMPT):
-            plain = model.layers[last].layer_output.save()
-            plain_probs = model.next_token_probs.save()
+            plain, plain_probs = last_output_and_probabilities(model)
         with model.trace(reference.PROMPT):
-            model.skip_layers(1)
-            skipped = model.next_token_probs.save()
+            skipped = skip_one(model)
         return {"steered": steered, "plain": plain, "plain_probs": plain_probs, "skipped": skipped}
 
     @functools.cached_property

@@ -61,6 +61,13 @@ class PostNormLayer(Layer):
     mlp_output = Value("post_feedforward_layernorm.output", description=Layer.mlp_output.description)
 
 
+#: `vllm_classes` keywords for a block that norms each sublayer's output before adding it (Gemma-2/3, EXAONE 4).
+VLLM_POST_NORMS = {
+    "attention_output": "post_attention_layernorm.output",
+    "mlp_output": "post_feedforward_layernorm.output",
+}
+
+
 def vllm_classes(
     module: str,
     layer: type = on_vllm.DualStreamLayer,
