@@ -9,20 +9,17 @@ of the same name overrides a size or ``project_on_vocab``.
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-from . import families
+from . import arguments, families
+from .arguments import LayerSelection, Positions
 from .components import Derived, Layers, Standard, Value, values_of
-
-LayerSelection = int | Iterable[int]
-Positions = int | slice | Iterable[int] | None
 
 #: Family modules by name, for families handed in as module objects that no import can find.
 _FAMILIES: dict[str, Any] = {}
@@ -226,43 +223,6 @@ class Standardized:
             table[name] = reasons[0] if whole else missing or None
         return table
 
-    # -- argument checks ------------------------------------------------------
-
-    def _layer_indices(self, layers: LayerSelection, what: str) -> list[int]:
-        count = self.num_layers
-        chosen = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, Iterable) else None
-        if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
-            raise ValueError(f"{what}: layers must be an int or a non-empty list of ints, got {layers!r}")
-        bad = [i for i in chosen if not -count <= i < count]
-        if bad:
-            raise ValueError(f"{what}: layer(s) {bad} do not exist; the model has num_layers={count} (0..{count - 1})")
-        return sorted({i % count for i in chosen})
-
-    def _hidden_vector(self, vector: Any, what: str) -> torch.Tensor:
-        if not isinstance(vector, torch.Tensor):
-            raise ValueError(f"{what}: the vector must be a torch.Tensor, got {type(vector).__name__}")
-        if not vector.is_floating_point():
-            raise ValueError(f"{what}: the vector must have a floating dtype, got {vector.dtype}")
-        if vector.shape[-1:] != (self.hidden_size,) or vector.dim() > 2:
-            raise ValueError(
-                f"{what}: the vector must have shape [hidden_size] = [{self.hidden_size}] "
-                f"(or [n, {self.hidden_size}]), got {list(vector.shape)}"
-            )
-        if not torch.isfinite(vector).all():
-            raise ValueError(f"{what}: the vector holds NaN or inf values")
-        return vector
-
-    @staticmethod
-    def _positions(positions: Positions, what: str) -> Any:
-        if positions is None:
-            return slice(None)
-        if isinstance(positions, (int, slice)) and not isinstance(positions, bool):
-            return positions
-        chosen = list(positions)
-        if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
-            raise ValueError(f"{what}: positions must be None, an int, a slice or a list of ints, got {positions!r}")
-        return chosen
-
     # -- methods --------------------------------------------------------------
 
     def steer(
@@ -270,18 +230,24 @@ class Standardized:
     ) -> None:
         """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions`` (all by default).
 
+        ``vector`` is ``[hidden_size]``, or ``[n, hidden_size]`` with one row per selected position.
         Call inside a trace or generate, before the first steered layer runs. The arguments
-        are checked before anything is read from the model.
+        are checked before anything is read from the model; positions against the prompt's length.
         """
-        indices = self._layer_indices(layers, "steer")
-        vector = self._hidden_vector(vector, "steer")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
-            raise ValueError(f"steer: factor must be a finite number, got {factor!r}")
-        where = self._positions(positions, "steer")
+        indices = arguments.layer_indices(layers, self.num_layers, "steer")
+        vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
+        factor = arguments.finite_number(factor, "steer")
+        where = arguments.positions(positions, "steer")
 
         def add(stream: torch.Tensor) -> torch.Tensor:
+            selected = arguments.positions_within(where, stream.shape[1], "steer")
+            if vector.dim() == 2 and vector.shape[0] not in (1, len(selected)):
+                raise ValueError(
+                    f"steer: a [n, hidden_size] vector needs one row per steered position; it has "
+                    f"{vector.shape[0]} rows for {len(selected)} positions"
+                )
             stream = stream.clone()
-            stream[:, where] += factor * vector.to(device=stream.device, dtype=stream.dtype)
+            stream[:, selected] += factor * vector.to(device=stream.device, dtype=stream.dtype)
             return stream
 
         for index in indices:
@@ -291,7 +257,7 @@ class Standardized:
     def skip_layers(self, start: int, end: int | None = None) -> None:
         """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace."""
         end = start if end is None else end
-        first, last = (self._layer_indices(index, "skip_layers")[0] for index in (start, end))
+        first, last = (arguments.layer_indices(index, self.num_layers, "skip_layers")[0] for index in (start, end))
         if first > last:
             raise ValueError(f"skip_layers: start ({start}) must not come after end ({end})")
         for index in range(first, last + 1):
@@ -329,7 +295,7 @@ class Standardized:
 
         One list of ``(token, similarity)`` per row of ``vector`` (a single vector gives one list).
         """
-        vector = self._hidden_vector(vector, "get_topk_closest_tokens")
+        vector = arguments.hidden_vector(vector, self.hidden_size, "get_topk_closest_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= self.vocab_size:
             raise ValueError(f"get_topk_closest_tokens: k must be an int in 1..vocab_size={self.vocab_size}, got {k!r}")
         unembedding = self._unembedding().float()

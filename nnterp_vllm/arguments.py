@@ -1,0 +1,101 @@
+"""Argument checks shared by every public method and by declarative specs, on either engine.
+
+Each check takes what it checks against (a layer count, a width, a sequence length) as a plain
+number, so the nnsight methods (``steer``, ``skip_layers``, ...) and the engine's own steering
+specs refuse the same bad input with the same message. ``what`` names the caller in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+LayerSelection = int | Iterable[int]
+Positions = int | slice | Iterable[int] | None
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int (``bool`` is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def layer_indices(layers: LayerSelection, num_layers: int, what: str) -> list[int]:
+    """``layers`` (an int or ints, negative counting from the end) as sorted distinct indices ``0..num_layers-1``."""
+    if is_int(layers):
+        chosen = [layers]
+    elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes, torch.Tensor)):
+        chosen = list(layers)
+    else:
+        chosen = None
+    if not chosen or not all(is_int(i) for i in chosen):
+        raise ValueError(f"{what}: layers must be an int or a non-empty list of ints, got {layers!r}")
+    bad = [i for i in chosen if not -num_layers <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"{what}: layer(s) {bad} do not exist; the model has num_layers={num_layers} (0..{num_layers - 1})"
+        )
+    return sorted({i % num_layers for i in chosen})
+
+
+def hidden_vector(vector: Any, hidden_size: int, what: str, rows: bool = True) -> torch.Tensor:
+    """``vector`` checked as a finite floating ``[hidden_size]`` tensor (or ``[n, hidden_size]`` where ``rows``)."""
+    if not isinstance(vector, torch.Tensor):
+        raise ValueError(f"{what}: the vector must be a torch.Tensor, got {type(vector).__name__}")
+    if not vector.is_floating_point():
+        raise ValueError(f"{what}: the vector must have a floating dtype, got {vector.dtype}")
+    if vector.shape[-1:] != (hidden_size,) or vector.dim() > (2 if rows else 1):
+        expected = f"[hidden_size] = [{hidden_size}]" + (f" (or [n, {hidden_size}])" if rows else "")
+        raise ValueError(f"{what}: the vector must have shape {expected}, got {list(vector.shape)}")
+    if not torch.isfinite(vector).all():
+        raise ValueError(f"{what}: the vector holds NaN or inf values")
+    return vector
+
+
+def finite_number(value: Any, what: str, name: str = "factor") -> float:
+    """``value`` checked as a finite int or float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{what}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def positions(chosen: Positions, what: str) -> int | slice | list[int]:
+    """``chosen`` positions in a normal form: ``slice(None)`` for all (``None``), an int, a slice, or a list of ints."""
+    if chosen is None:
+        return slice(None)
+    if is_int(chosen) or isinstance(chosen, slice):
+        if isinstance(chosen, slice) and not all(
+            part is None or is_int(part) for part in (chosen.start, chosen.stop, chosen.step)
+        ):
+            raise ValueError(f"{what}: a slice of positions takes ints, got {chosen!r}")
+        return chosen
+    if isinstance(chosen, Iterable) and not isinstance(chosen, (str, bytes)):
+        listed = list(chosen)
+        if listed and all(is_int(i) for i in listed):
+            return listed
+    raise ValueError(f"{what}: positions must be None, an int, a slice or a non-empty list of ints, got {chosen!r}")
+
+
+def positions_within(chosen: int | slice | list[int], length: int, what: str) -> list[int]:
+    """The positions ``chosen`` selects in a sequence of ``length`` tokens; refuses any outside it or none at all."""
+    if isinstance(chosen, slice):
+        for part in (chosen.start, chosen.stop):
+            if part is not None and not -length <= part <= length:
+                raise ValueError(
+                    f"{what}: the slice {chosen!r} reaches past the sequence's {length} tokens "
+                    f"(bounds must lie in -{length}..{length})"
+                )
+        selected = list(range(length))[chosen]
+        if not selected:
+            raise ValueError(f"{what}: the slice {chosen!r} selects no position of the sequence's {length} tokens")
+        return selected
+    listed: Sequence[int] = [chosen] if is_int(chosen) else chosen
+    bad = [i for i in listed if not -length <= i < length]
+    if bad:
+        raise ValueError(
+            f"{what}: position(s) {bad} are outside the sequence's {length} tokens (valid: 0..{length - 1}, "
+            f"or -{length}..-1)"
+        )
+    return [i % length for i in listed]
