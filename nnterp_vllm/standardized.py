@@ -9,6 +9,7 @@ of the same name overrides a size or ``project_on_vocab``.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -167,6 +168,20 @@ class Standardized:
             )
         from transformers import AutoConfig
 
+        if os.path.isdir(expanded):
+            config_file = os.path.join(expanded, "config.json")
+            if not os.path.isfile(config_file):
+                raise FileNotFoundError(
+                    f"checkpoint directory {path!r} has no config.json; a checkpoint directory holds the "
+                    "config.json and weights that `save_pretrained` writes"
+                )
+            try:
+                with open(config_file) as handle:
+                    json.load(handle)
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ValueError(
+                    f"{config_file} is not valid JSON ({error}); restore it or save the model again"
+                ) from None
         try:
             return AutoConfig.from_pretrained(expanded, revision=revision, trust_remote_code=trust_remote_code)
         except OSError as error:
@@ -321,6 +336,16 @@ class Standardized:
             ]
             probabilities = torch.stack(per_layer, dim=1).save()
         return probabilities
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest input the config says the model takes, or ``None`` where it names no limit."""
+    config = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 #: Where a multimodal model (``...ForConditionalGeneration``) keeps its text model: ``model.language_model``.

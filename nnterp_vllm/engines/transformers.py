@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from nnsight import TransformersModel
 
-from .. import families
+from .. import arguments, families
 from ..families import default
-from ..standardized import Standardized
+from ..standardized import Standardized, max_positions
+from . import saving
+from .tracing import Tracer
 
 
 class StandardizedTransformer(Standardized, TransformersModel):
@@ -55,3 +57,27 @@ class StandardizedTransformer(Standardized, TransformersModel):
         super().__init__(checkpoint, **maps, **kwargs)
         if self.family is default:
             default.check(self)
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("tracer_cls", Tracer)
+        return super().trace(*inputs, **kwargs)
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        if inputs:
+            arguments.prompt(inputs[0], self.vocab_size, "trace", batched=True)
+        return super()._batch_size(*inputs, **kwargs)
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        batched = super()._batch(invokes, fn)
+        forward = batched[1] if len(batched) == 2 and isinstance(batched[1], dict) else {}
+        ids = forward.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            arguments.prompt_length(ids.shape[-1], max_positions(self.config), "trace")
+        return batched
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        mediators = list(self.interleaver.mediators)
+        try:
+            return super().interleave(fn, *args, **kwargs)
+        finally:
+            saving.hand_back(mediators)
