@@ -21,6 +21,8 @@ import torch
 from . import arguments, families
 from .arguments import LayerSelection, Positions
 from .components import Derived, Layers, Standard, Value, values_of
+from .components.values import require_trace
+from .families._layouts import BLOCK_NORMS
 
 #: Family modules by name, for families handed in as module objects that no import can find.
 _FAMILIES: dict[str, Any] = {}
@@ -200,14 +202,16 @@ class Standardized:
     ) -> dict[str, dict]:
         """Read the config, settle the family, and merge the ``rename``/``envoys`` maps nnsight gets.
 
-        Later keys win: the engine's base envoys (tensor-parallel ones on a sharded load), then
-        the family's, then the caller's.
+        Later keys win: for ``rename`` the block-norm spellings every family shares (`BLOCK_NORMS`), then
+        the family's, then the caller's, and the final norm answers to ``ln_final`` too; for ``envoys``
+        the engine's base envoys (tensor-parallel ones on a sharded load), then the family's, then the caller's.
         """
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         family = family or families.lookup(self._model_type(config), engine=self.ENGINE)
         self._serve_with(family)
+        names = {**BLOCK_NORMS, **_with_nested_text_model(family.RENAME), **(rename or {})}
         return {
-            "rename": {**_with_nested_text_model(family.RENAME), **(rename or {})},
+            "rename": _with_final_norm_alias(names),
             "envoys": {**base_envoys, "layers": Layers, **family.ENVOYS, **(envoys or {})},
         }
 
@@ -249,6 +253,7 @@ class Standardized:
         Call inside a trace or generate, before the first steered layer runs. The arguments
         are checked before anything is read from the model; positions against the prompt's length.
         """
+        require_trace("steer")
         indices = arguments.layer_indices(layers, self.num_layers, "steer")
         vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
         factor = arguments.finite_number(factor, "steer")
@@ -271,6 +276,7 @@ class Standardized:
 
     def skip_layers(self, start: int, end: int | None = None) -> None:
         """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace."""
+        require_trace("skip_layers")
         end = start if end is None else end
         first, last = (arguments.layer_indices(index, self.num_layers, "skip_layers")[0] for index in (start, end))
         if first > last:
@@ -330,10 +336,11 @@ class Standardized:
         if isinstance(position, bool) or not isinstance(position, int):
             raise ValueError(f"logit_lens: position must be an int, got {position!r}")
         with self.trace(prompts):
-            per_layer = [
-                torch.softmax(self.project_on_vocab(block.layer_output[:, position]).float(), dim=-1)
-                for block in self.layers
-            ]
+            per_layer = []
+            for block in self.layers:
+                stream = block.layer_output
+                (at,) = arguments.positions_within(position, stream.shape[1], "logit_lens")
+                per_layer.append(torch.softmax(self.project_on_vocab(stream[:, at]).float(), dim=-1))
             probabilities = torch.stack(per_layer, dim=1).save()
         return probabilities
 
@@ -364,6 +371,19 @@ def _with_nested_text_model(rename: dict[str, str]) -> dict[str, str]:
         if isinstance(path, str) and path.startswith("model.")
     }
     return {**rename, **nested}
+
+
+#: What nnterp users call the final norm, besides ``norm``.
+FINAL_NORM_ALIAS = "ln_final"
+
+
+def _with_final_norm_alias(rename: dict[str, Any]) -> dict[str, Any]:
+    """``rename`` with the module aliased ``norm`` also answering to `FINAL_NORM_ALIAS`."""
+    aliased = {}
+    for path, names in rename.items():
+        names = [names] if isinstance(names, str) else list(names)
+        aliased[path] = [*names, FINAL_NORM_ALIAS] if "norm" in names else names
+    return aliased
 
 
 def family_gaps(cls: type) -> type:

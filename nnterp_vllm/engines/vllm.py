@@ -191,6 +191,14 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             arguments.prompt(inputs[0], self.vocab_size, "invoke", batched=False)
         return super()._batch_size(*inputs, **kwargs)
 
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            return super()._call(*args, **kwargs)
+        except VLLMValidationError as error:  # refused before any request ran (vLLM aborts what it added)
+            raise ValueError(f"invoke: {error}") from None
+
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
         """nnsight's collect, with containers filled in place and the library's errors raised as themselves."""
