@@ -23,7 +23,9 @@ kwarg given to nnsight's ``VLLM(...)`` reaches ``vllm.LLM`` twice and raises ``T
 multiple values for keyword argument 'worker_cls'``. The worker therefore travels as a class
 attribute: :class:`PlatformVLLM` is nnsight's ``VLLM`` with ``_WORKER_CLS`` pointing at
 :data:`CPU_WORKER_CLS` on the CPU platform, the meta build wrapped in :func:`accelerator_noop`, and
-:func:`engine_kwargs`'s CPU defaults applied. On CUDA it is nnsight's ``VLLM`` unchanged.
+:func:`engine_kwargs`'s CPU defaults applied. On GPU platforms the worker is nnsight's own, with the
+same runner addition as on CPU (`StandardizedRequests`: what a block saved counts its containers of
+saved values, see ``engines/saving.py``).
 
 vLLM resolves the worker class by dotted path, in every worker process it spawns, so the worker
 and runner classes live at module level here. They are built on first attribute access (PEP 562
@@ -231,11 +233,11 @@ def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class PlatformVLLM(VLLM):
-    """nnsight's ``VLLM``, made to run on vLLM's CPU build; identical to it on any other platform.
+    """nnsight's ``VLLM``, made to run on vLLM's CPU build as on its GPU platforms.
 
     On CPU: the engine's worker is :data:`CPU_WORKER_CLS`, the meta build runs under
-    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Takes exactly the
-    arguments of nnsight's ``VLLM``.
+    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Elsewhere the worker is
+    :data:`CUDA_WORKER_CLS`. Takes exactly the arguments of nnsight's ``VLLM``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
