@@ -255,17 +255,8 @@ def collect_token_activations_batched(
     return torch.cat(batches, dim=1)
 
 
-def collect_last_token_activations_session(
-    nn_model: Any,
-    prompts: Sequence[Any],
-    batch_size: int,
-    layers: int | Sequence[int] | None = None,
-    get_activations: GetModuleOutput | None = None,
-    remote: bool = False,
-    idx: int | None = None,
-) -> torch.Tensor:
-    """nnterp's session spelling of `collect_token_activations_batched` (a session only saves NDIF round trips)."""
-    return collect_token_activations_batched(nn_model, prompts, batch_size, layers, get_activations, remote, idx)
+#: nnterp's session spelling of `collect_token_activations_batched` (a session only saves NDIF round trips).
+collect_last_token_activations_session = collect_token_activations_batched
 
 
 def compute_next_token_probs(nn_model: Any, prompt: Any, remote: bool = False) -> torch.Tensor:

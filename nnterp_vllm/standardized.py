@@ -342,6 +342,9 @@ class Standardized:
         """nnterp's spelling of ``skip_layers(layer, layer, skip_with)``."""
         self.skip_layers(layer, layer, skip_with)
 
+    def detect_layer_output_type(self) -> None:
+        """nnterp's step before ``skip_layers``; nothing to detect here (``layer_output`` is always a tensor)."""
+
     @property
     def _model(self) -> torch.nn.Module:
         """The wrapped torch module, under the name nnsight gave it before 0.8 (nnterp code reads ``model._model``)."""
