@@ -19,12 +19,14 @@ from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, UnavailableVa
 from nnterp_vllm.display import plot_topk_tokens, prompts_to_df
 from nnterp_vllm.interventions import (
     TargetPrompt,
+    TargetPromptBatch,
     logit_lens,
     patch_object_attn_lens,
     patchscope_generate,
     patchscope_lens,
 )
 from nnterp_vllm.nnsight_utils import (
+    ModuleAccessor,
     collect_token_activations_batched,
     compute_next_token_probs,
     get_layer_output,
@@ -427,6 +429,11 @@ def test_plot_topk_tokens_renders_the_top_tokens_per_layer(engines, tmp_path):
         (lambda m: patchscope_lens(m, list(PAIR), [TargetPrompt("a", -1)]), ValueError, "as many target"),
         (lambda m: patchscope_generate(m, PROMPT, TargetPrompt("a", -1), 0), ValueError, "max_length must be"),
         (lambda m: patch_object_attn_lens(m, list(PAIR), [PROMPT] * 3, 0), ValueError, "one per target"),
+        (lambda m: patch_object_attn_lens(m, PROMPT, PROMPT, 0, num_patches=0), ValueError, "num_patches must be"),
+        (lambda m: patchscope_generate(m, PROMPT, TargetPrompt("a", -1), 2, max_batch_size=0), ValueError, "max_batch"),
+        (lambda m: patchscope_lens(m, PROMPT, 5), ValueError, "target prompts must be a str"),
+        (lambda m: TargetPromptBatch.from_prompts("a", 1.5), ValueError, "index_to_patch must be"),
+        (lambda m: ModuleAccessor(m._model, RenameConfig(vocab_size_config_key="n")), ValueError, "family module"),
         (lambda m: plot_topk_tokens(torch.zeros(2, 2, 2, 2), m.tokenizer), ValueError, "must be a"),
         (lambda m: plot_topk_tokens(torch.zeros(3, 512), m.tokenizer, k=0), ValueError, "k must be an int"),
     ],
