@@ -127,6 +127,8 @@ class Attention(Standard):
         """The attention module's output, a tensor even when the module returns a tuple."""
         return value
 
+    attention_input = Value("input", description="The hidden states the attention module reads [batch, seq, hidden]")
+
     attention_queries = interior(
         "source.{self.INTERFACE}.inputs",
         "Queries as they enter the score product, after rotary [batch, heads, seq, head_dim]",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from nnsight import TransformersModel
 
-from .. import arguments, families
+from .. import arguments, families, nnterp_options
 from ..families import default
 from ..standardized import Standardized, max_positions
 from . import saving
@@ -25,7 +25,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
             ``attn_implementation="eager"`` (so the attention pattern exists) and
-            ``task="text-generation"`` (so nothing asks the hub for it).
+            ``task="text-generation"`` (so nothing asks the hub for it). nnterp's options
+            (``enable_attention_probs``, ``check_renaming``, ``rename_config``, ``tokenizer_kwargs``, ...)
+            are taken with their meaning or refused with the reason (`nnterp_options.take`).
 
     Example::
 
@@ -48,8 +50,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
     ) -> None:
         from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
 
+        nnterp = nnterp_options.take(kwargs, self.ENGINE)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
-        maps = self._maps(checkpoint, family, rename, envoys, kwargs, base)
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
             checkpoint = str(checkpoint)
@@ -57,6 +60,7 @@ class StandardizedTransformer(Standardized, TransformersModel):
         super().__init__(checkpoint, **maps, **kwargs)
         if self.family is default:
             default.check(self)
+        nnterp.apply(self)
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("tracer_cls", Tracer)

@@ -17,7 +17,7 @@ from nnsight.intervention.errors import raise_deferred as raise_as_nnsight
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 
-from .. import arguments, families
+from .. import arguments, families, nnterp_options
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
 from ..components.vllm import Flat, flat, gathered
@@ -112,6 +112,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
             On vLLM's CPU build the KV cache defaults to 64 MiB. Prefix caching is refused: it
             would share KV state computed under one request's intervention with other requests.
+            nnterp's options are taken with their meaning or refused with the reason (`nnterp_options.take`;
+            ``enable_attention_probs=True`` is refused: vLLM never materializes the pattern).
 
     Sampling settings go to ``trace``/``generate`` as vLLM's (``max_tokens``, ``temperature``) or
     as transformers' (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``).
@@ -152,9 +154,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             )
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        maps = self._maps(checkpoint, family, rename, envoys, kwargs, parallel_envoys())
+        nnterp = nnterp_options.take(kwargs, self.ENGINE)
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys())
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         super().__init__(str(checkpoint), **maps, **kwargs)
+        nnterp.apply(self)
 
     @staticmethod
     def _sampling_kwargs(kwargs: dict) -> dict:
