@@ -36,6 +36,7 @@ TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 #: Per block, in the order the forward computes them: the values one trace reads where vLLM claims them.
 BLOCK_VALUES = (
     "layer_input",
+    "self_attn.attention_input",
     "self_attn.attention_queries",
     "self_attn.attention_keys",
     "self_attn.attention_values",
@@ -43,15 +44,24 @@ BLOCK_VALUES = (
     "self_attn.attention_head_outputs",
     "attention_output",
     "mixer_output",
+    "mlp.mlp_input",
     "mlp.router_logits",
     "mlp.expert_indices",
     "mlp.expert_weights",
     "mlp_output",
     "layer_output",
 )
-STREAM = ("layer_input", "attention_output", "mixer_output", "mlp_output", "layer_output")
-INTERIOR = tuple(name for name in BLOCK_VALUES if name.startswith("self_attn."))
-ROUTING = tuple(name for name in BLOCK_VALUES if name.startswith("mlp."))
+STREAM = (
+    "layer_input",
+    "self_attn.attention_input",
+    "attention_output",
+    "mixer_output",
+    "mlp.mlp_input",
+    "mlp_output",
+    "layer_output",
+)
+INTERIOR = tuple(name for name in BLOCK_VALUES if name.startswith("self_attn.") and name not in STREAM)
+ROUTING = tuple(name for name in BLOCK_VALUES if name.startswith("mlp.") and name not in STREAM)
 ROOT_VALUES = ("token_embeddings", "final_norm_output", "logits", "next_token_probs")
 
 

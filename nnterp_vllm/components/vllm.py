@@ -227,20 +227,26 @@ def heads_merged(host: Envoy, value: torch.Tensor) -> torch.Tensor:
     return value.transpose(1, 2).reshape(*value.shape[:1], value.shape[2], -1)
 
 
-def _arguments(layer: Envoy, *names: str) -> tuple[tuple[int, str], ...]:
-    """Where a block's forward takes each of ``names``: ``((position, name), ...)``."""
-    parameters = [name for name in inspect.signature(type(layer._module).forward).parameters if name != "self"]
-    return tuple((parameters.index(name), name) for name in names)
+def forward_parameters(envoy: Envoy) -> list[str]:
+    """The names of the parameters of an envoy's module's forward, in order (``self`` left out)."""
+    return [name for name in inspect.signature(type(envoy._module).forward).parameters if name != "self"]
 
 
 def stream_arguments(layer: Envoy) -> tuple[tuple[int, str], tuple[int, str]]:
     """Where a block's forward takes ``hidden_states`` and ``residual``: ``((position, name), ...)``."""
-    return _arguments(layer, "hidden_states", "residual")
+    names = forward_parameters(layer)
+    return tuple((names.index(name), name) for name in ("hidden_states", "residual"))
 
 
-def stream_argument(layer: Envoy) -> tuple[int, str]:
-    """Where a block's forward takes ``hidden_states``: ``(position, name)`` (after ``positions`` on most families)."""
-    return _arguments(layer, "hidden_states")[0]
+def hidden_states_argument(envoy: Envoy) -> tuple[int, str]:
+    """Where a module's forward takes ``hidden_states``: ``(position, name)``."""
+    return forward_parameters(envoy).index("hidden_states"), "hidden_states"
+
+
+def _no_hidden_states(envoy: Envoy) -> str | None:
+    if "hidden_states" not in forward_parameters(envoy):
+        return f"{type(envoy._module).__name__}.forward takes no hidden_states argument"
+    return None
 
 
 def _argument(call: tuple, where: tuple[int, str]) -> Any:
@@ -258,7 +264,8 @@ def _with_argument(call: tuple, where: tuple[int, str], value: Any) -> tuple:
 
 
 class Argument(Flat):
-    """One argument of a module's forward, wherever the caller passes it: ``select`` is ``(position, name)``."""
+    """One argument of a module's call, where ``select`` (``(position, name)``) says it is passed by
+    position or by name."""
 
     def pick(self, attribute: str, raw: Any, select: Any) -> Any:
         return _argument(raw, select)
@@ -296,7 +303,7 @@ class Layer(Standard):
     output's first element, beside a residual the next block does not read) out (GPT-2, GPT-J, Cohere, StableLM)."""
 
     layer_input = Argument(
-        "inputs", select=stream_argument, description="The residual stream entering the block [1, seq, hidden]"
+        "inputs", select=hidden_states_argument, description="The residual stream entering the block [1, seq, hidden]"
     )
     layer_output = Flat("output", description="The residual stream leaving the block [1, seq, hidden]")
     attention_output = Delegate(
@@ -337,6 +344,12 @@ class Attention(Standard):
     _projection_output = Flat("{self.OUTPUT_PROJECTION}.output")
 
     attention_output = Flat("output", description="The attention module's output [1, seq, hidden]")
+    attention_input = Argument(
+        "inputs",
+        select=hidden_states_argument,
+        description="The hidden states the attention module reads [1, seq, hidden]",
+        unavailable=_no_hidden_states,
+    )
 
     @Heads("{self.KERNEL}.inputs", select=0, description="Queries after rotary [1, heads, seq, head_dim]")
     def attention_queries(self, value: Any) -> Any:
@@ -389,12 +402,14 @@ class TransformersAttention(Attention):
 
     _projection_output = Copied("{self.OUTPUT_PROJECTION}.output")
     attention_output = Copied("output", description=Attention.attention_output.description)
+    attention_input = Copied("input", description=Attention.attention_input.description)
 
 
 class Mlp(BaseMlp):
     """A vLLM dense MLP (no router); `SparseMlp` serves a mixture of experts."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
+    mlp_input = Flat("input", description="The hidden states the MLP reads [1, seq, hidden]")
 
 
 class Mixer(BaseMixer):
