@@ -130,9 +130,10 @@ def probe(model_type: str, forced_default: bool) -> dict[str, Any]:
 
 
 def run_tests(
-    model_types: list[str], forced_default: bool, test_file: str = "test_families.py"
+    model_types: list[str], forced_default: bool, test_file: str = "test_families.py", only: tuple[str, ...] = ()
 ) -> dict[str, dict[str, str]]:
-    """``test_file`` on ``model_types``: ``{type: {test name: passed|failed|skipped}}``."""
+    """``test_file`` (its tests named in ``only``, or all) on ``model_types``:
+    ``{type: {test name: passed|failed|skipped}}``."""
     if not model_types:
         return {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -142,6 +143,7 @@ def run_tests(
             environment["NNTERP_COVERAGE_FAMILY"] = "default"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider"]
         command += [str(ROOT / "tests" / test_file), f"--junitxml={report}"]
+        command += ["-k", " or ".join(only)] if only else []
         subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
         outcomes: dict[str, dict[str, str]] = {}
         for case in ElementTree.parse(report).iter("testcase"):
@@ -292,7 +294,8 @@ def vllm_coverage(model_types: list[str]) -> tuple[dict[str, dict[str, Any]], di
     """The vLLM rows of ``model_types`` and the outcomes of tests/test_vllm.py on the loaded ones."""
     rows = {model_type: vllm_probe(model_type) for model_type in model_types}
     loaded = [model_type for model_type, row in rows.items() if row["status"] == "loaded"]
-    return rows, run_tests(loaded, False, "test_vllm.py")
+    tests = tuple(dict.fromkeys(test for tests in VLLM_COLUMNS.values() for test in tests))
+    return rows, run_tests(loaded, False, "test_vllm.py", tests)
 
 
 def vllm_table(
