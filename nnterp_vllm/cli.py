@@ -17,14 +17,14 @@ def _support(args: argparse.Namespace) -> int:
 
 
 def _harvest(args: argparse.Namespace) -> int:
-    from .harvest import harvest
+    from .harvest.run import harvest, torch_dtype
 
     model = args.model
     if model == "smollm2":
         from .checkpoints import smollm2
 
         model = str(smollm2())
-    model_kwargs = {"dtype": args.model_dtype} if args.model_dtype else {}
+    model_kwargs = {"dtype": torch_dtype(args.model_dtype, "--model-dtype")} if args.model_dtype else {}
     result = harvest(
         model,
         args.corpus,
@@ -95,15 +95,29 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (``sys.argv[1:]`` by default)."""
-    from .errors import UnsupportedFamily
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a multi-line message's lines joined with '; ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines).replace(":; ", ": ") or type(error).__name__
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (``sys.argv[1:]`` by default).
+
+    A refusal (bad input, an unreadable file, a harvest that cannot go on) prints one line,
+    ``nnterp-vllm: error: ...``, and exits with status 2; an interrupt exits with 130.
+    """
     args = parser().parse_args(argv)
+    from .errors import UnavailableValue, UnsupportedFamily
+    from .harvest import HarvestError
+
     try:
         return args.run(args)
-    except (OSError, UnsupportedFamily, ValueError) as error:
-        print(f"nnterp-vllm {args.command}: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("nnterp-vllm: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (HarvestError, OSError, ValueError, TypeError, UnavailableValue, UnsupportedFamily) as error:
+        print(f"nnterp-vllm: error: {one_line(error)}", file=sys.stderr)
         return 2
 
 

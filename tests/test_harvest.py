@@ -283,15 +283,19 @@ def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
     from nnterp_vllm import StandardizedVLLM
 
     docs = documents(7)
-    on_hf = harvest(llama_path, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "hf", progress=False)
+    values = ["layers.*.layer_output", "layers.1.mlp_output"]
+    on_hf = harvest(llama_path, docs, values, tmp_path / "hf", shard_bytes=150_000, progress=False)
     model = StandardizedVLLM(llama_path, dtype="float32", dispatch=True)
     try:
-        on_vllm = harvest(
-            model, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "vllm", progress=False
-        )
+        on_vllm = harvest(model, docs, values, tmp_path / "vllm", shard_bytes=150_000, progress=False)
+        # A damaged shard is recomputed on this engine too, to the same bytes.
+        files = {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()}
+        (tmp_path / "vllm" / "shard-00000.safetensors").unlink()
+        harvest(model, docs, values, tmp_path / "vllm", shard_bytes=150_000, progress=False)
+        assert {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()} == files
     finally:
         model.shutdown()
-    assert on_vllm.manifest["engine"] == "vllm"
+    assert on_vllm.manifest["engine"] == "vllm" and len(on_vllm.shards) > 1
     assert torch.equal(on_vllm.load("token_ids"), on_hf.load("token_ids"))
     for name in on_hf.values:
         torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)

@@ -5,25 +5,26 @@ The corpus becomes context rows (`corpus`), the rows become shards of about
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
 workers write the same shards. A shard is computed in batches (rows sorted by length on
 transformers, one invoke per row on vLLM) and written atomically, then recorded in the
-manifest.
+manifest. Each unit carries the digest of the corpus read up to its cut, which its record
+keeps: a rerun compares those before it trusts (skips) a recorded shard.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import torch
 
-from .corpus import ContextSettings, CorpusError, CorpusStats, Row, read_documents, rows
-from .selection import Selection, parse, token_shape
-from .store import Harvest, HarvestError, Store, load_harvest, write_shard
+from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
+from .selection import Selection, check_selectors, parse, token_shape
+from .store import OVERWRITE, Harvest, HarvestError, Store, load_harvest, write_shard
 
 ENGINES = ("transformers", "vllm")
 Positions = str | Callable[[list[int]], list[bool]]
@@ -35,6 +36,8 @@ class Unit:
 
     index: int
     rows: list[Row] = field(default_factory=list)
+    #: The digest of the corpus as read when this unit was cut (see `plan`).
+    corpus_sha256: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -55,9 +58,7 @@ class Job:
 
 def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
     """A standardized model: ``model`` itself, or built from a checkpoint on ``engine``."""
-    engine = "transformers" if engine == "hf" else engine
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    engine = _engine(engine)
     if not isinstance(model, (str, Path)):
         return model
     kwargs = dict(model_kwargs or {})
@@ -71,15 +72,21 @@ def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = No
     return StandardizedTransformer(model, dispatch=dispatch, **kwargs)
 
 
-def plan(row_stream: Iterator[Row], tokens_per_shard: int) -> Iterator[Unit]:
-    """Cut rows, in corpus order, into units of at least ``tokens_per_shard`` tokens (the last one short)."""
+def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], str] | None = None) -> Iterator[Unit]:
+    """Cut rows, in corpus order, into units of at least ``tokens_per_shard`` tokens (the last one short).
+
+    ``digest``, if given, is asked at each cut for the digest of the corpus read so far, and the
+    unit keeps it: reading is lazy and in a fixed order, so the same corpus gives the same digests.
+    """
     unit = Unit(0)
     for row in row_stream:
         unit.rows.append(row)
         if unit.tokens >= tokens_per_shard:
+            unit.corpus_sha256 = digest() if digest else None
             yield unit
             unit = Unit(unit.index + 1)
     if unit.rows:
+        unit.corpus_sha256 = digest() if digest else None
         yield unit
 
 
@@ -130,6 +137,8 @@ def batches(unit_rows: list[Row], batch_size: int, pad: int) -> Iterator[tuple[l
 
 def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
     """Values per row, in row order, computed in `batches`."""
+    import nnsight
+
     results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
@@ -148,6 +157,8 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
 
 def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
     """One invoke per row, all in one engine call; values per row, in row order."""
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=1) as tracer:
         saved = nnsight.save({})
         for number, row in enumerate(unit_rows):
@@ -173,6 +184,7 @@ def shard_record(unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, Any]
         "tokens": int(tensors["token_ids"].shape[0]),
         "first_document": min(documents),
         "last_document": max(documents),
+        "corpus_sha256": unit.corpus_sha256,
     }
 
 
@@ -210,19 +222,115 @@ class Progress:
         )
 
 
-def _fingerprint(corpus: Any) -> str:
-    """What identifies the corpus for a resumed run: a path and its size, or a digest of an in-memory corpus."""
-    if isinstance(corpus, (str, Path)):
-        path = Path(corpus)
-        if not path.exists():
-            raise CorpusError(f"cannot read the corpus {path}: no such file or directory")
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-        return f"{path.resolve()} ({size} bytes)"
-    fingerprint = getattr(corpus, "_fingerprint", None)
-    if fingerprint is not None:
-        return f"datasets.Dataset {fingerprint}"
-    digest = hashlib.sha256(json.dumps(list(corpus), sort_keys=True).encode()).hexdigest()[:16]
-    return f"in-memory corpus {digest}"
+def torch_dtype(name: Any, what: str) -> str:
+    """``name`` if it names a torch dtype (``"float16"``...), else ValueError naming ``what``."""
+    if not isinstance(name, str) or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"{what} must name a torch dtype such as 'float16', 'bfloat16' or 'float32', got {name!r}")
+    return name
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def _engine(engine: Any) -> str:
+    """The engine's name (``"hf"`` is ``"transformers"``); ValueError for another."""
+    engine = "transformers" if engine == "hf" else engine
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES} (or 'hf')")
+    return engine
+
+
+def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **counts: Any) -> None:
+    """Refuse arguments no harvest could run with, before anything is loaded or created."""
+    standardized = sys.modules.get("nnterp_vllm.standardized")  # a loaded model exists only if it is imported
+    if not isinstance(model, str | os.PathLike) and not (standardized and isinstance(model, standardized.Standardized)):
+        raise TypeError(
+            "model must be a checkpoint directory or hub id, or a StandardizedTransformer / StandardizedVLLM, "
+            f"not a {type(model).__name__}"
+        )
+    if not isinstance(out, str | os.PathLike):
+        raise TypeError(f"out must be a directory path, not {out!r}")
+    if positions not in ("all", "last") and not callable(positions):
+        raise ValueError(f"positions must be 'all', 'last' or a function of a row's token ids, got {positions!r}")
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict of keyword arguments, not {model_kwargs!r}")
+    for what, value in counts.items():
+        _positive_int(value, what)
+
+
+class Resume:
+    """What a rerun may trust: the recorded shards whose corpus digests the corpus read now reproduces.
+
+    A recorded shard is skipped only once the corpus read through it hashes as its record says;
+    a difference, a corpus longer than a finished harvest's or shorter than the shards recorded,
+    is refused with HarvestError naming the first shard that differs.
+    """
+
+    def __init__(self, store: Store, corpus: Corpus) -> None:
+        self.store = store
+        self.corpus = corpus
+
+    def _changed(self, what: str) -> HarvestError:
+        return HarvestError(
+            f"the corpus is not the one {self.store.out} was harvested from "
+            f"({self.store.manifest.get('corpus', 'unknown')}): {what}. Harvest that corpus again, choose another "
+            f"--out directory, or use {OVERWRITE} to harvest this one from scratch."
+        )
+
+    def check(self, unit: Unit) -> None:
+        """Refuse ``unit`` if the corpus read through it differs from what its record says."""
+        store = self.store
+        record = store.recorded.get(unit.index)
+        if record is None:
+            if store.recorded_complete:
+                raise self._changed(f"it now yields more than the {len(store.recorded)} shards of the finished harvest")
+        elif record.get("corpus_sha256") != unit.corpus_sha256:
+            raise self._changed(
+                f"a document read for {record['file']} (documents {record['first_document']} to "
+                f"{record['last_document']}) differs"
+            )
+
+    def check_end(self, last_index: int, documents: Digested) -> None:
+        """Refuse a corpus that ended before the recorded shards, or that differs after a finished harvest's last."""
+        store = self.store
+        beyond = sorted(index for index in store.recorded if index > last_index)
+        if beyond:
+            raise self._changed(f"it now ends before {store.recorded[beyond[0]]['file']}")
+        if store.recorded_complete and store.manifest.get("corpus_sha256") != documents.hexdigest():
+            raise self._changed("documents after the last shard's differ")
+
+    def pending(self, units: Iterator[Unit], documents: Digested) -> Iterator[Unit]:
+        """The units still to compute, each checked against the record of the same index first."""
+        last = -1
+        for unit in units:
+            self.check(unit)
+            last = unit.index
+            if unit.index not in self.store.done:
+                yield unit
+        self.check_end(last, documents)
+
+    def prove_recorded(self, units: Iterator[Unit], documents: Digested) -> None:
+        """Check every recorded shard's digest in a pass of its own, computing nothing.
+
+        Needed before the first unit is computed when a shard to compute comes before recorded
+        ones (a damaged shard, or out-of-order Ray workers): otherwise a difference after it
+        would only show once work had started.
+        """
+        last_recorded = max(self.store.recorded)
+        last = -1
+        for unit in units:
+            self.check(unit)
+            last = unit.index
+            if last >= last_recorded:
+                return
+        self.check_end(last, documents)
+
+    def needs_proof(self) -> bool:
+        recorded = self.store.recorded
+        return bool(recorded) and any(index not in self.store.done for index in range(max(recorded) + 1))
 
 
 def harvest(
@@ -269,66 +377,75 @@ def harvest(
         model_kwargs: For building the model from a checkpoint (``dtype``, ``device_map``, ...).
         progress: Show a progress bar (the summary line is printed regardless).
     """
-    values = [values] if isinstance(values, str) else list(values)
-    if positions not in ("all", "last") and not callable(positions):
-        raise ValueError(f"positions must be 'all', 'last' or a function of a row's token ids, got {positions!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    selectors = check_selectors(values, context_length)
+    _check_arguments(
+        model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
+    )
+    _engine(engine)
+    if dtype is not None:
+        torch_dtype(dtype, "dtype")
     settings = ContextSettings(context_length=context_length, overflow=overflow, add_bos=add_bos, text_field=text_field)
     distributed = workers > 1 or ray_address is not None
-    if distributed and not isinstance(model, (str, Path)):
+    if distributed and not isinstance(model, str | Path):
         raise ValueError("workers > 1 builds one model per Ray worker: pass a checkpoint path, not a loaded model")
-    checkpoint = model
-    model = load_model(model, engine, model_kwargs, dispatch=not distributed)
-    selections = parse(values, model, context_length)
-    dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype such as 'float16', 'bfloat16' or 'float32', got {dtype!r}")
-    shapes = {selection.name: token_shape(selection, model, context_length) for selection in selections}
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = sum(int(torch.tensor(shape).prod()) for shape in shapes.values()) * itemsize
-    model_name = str(checkpoint) if isinstance(checkpoint, (str, Path)) else str(model.config._name_or_path)
-    store = Store(
-        out,
-        {
-            "model": model_name,
-            "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
-            "engine": model.ENGINE,
-            "dtype": dtype,
-            "values": {name: {"shape": shape} for name, shape in shapes.items()},
-            "positions": positions
-            if isinstance(positions, str)
-            else f"mask from {getattr(positions, '__name__', positions)!s}",
-            "context": settings.as_dict(),
-            "shard_bytes": shard_bytes,
-            "corpus": _fingerprint(corpus),
-        },
-        overwrite=overwrite,
-    )
-    job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size)
-    stats = CorpusStats()
-    units = plan(
-        rows(read_documents(corpus, settings=settings), model.tokenizer, settings, stats),
-        max(1, shard_bytes // per_token),
-    )
-    bar = Progress(progress, stats)
-    todo = (unit for unit in units if unit.index not in store.done)
+    source = Corpus(corpus, settings)
+    with Store(out, overwrite) as store:
+        checkpoint = model
+        model = load_model(model, engine, model_kwargs, dispatch=not distributed)
+        selections = parse(selectors, model, context_length)
+        dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
+        shapes = {selection.name: token_shape(selection, model, context_length) for selection in selections}
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        per_token = sum(int(torch.tensor(shape).prod()) for shape in shapes.values()) * itemsize
+        model_name = str(checkpoint) if isinstance(checkpoint, str | Path) else str(model.config._name_or_path)
+        store.begin(
+            {
+                "model": model_name,
+                "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
+                "engine": model.ENGINE,
+                "dtype": dtype,
+                "values": {name: {"shape": shape} for name, shape in shapes.items()},
+                "positions": positions
+                if isinstance(positions, str)
+                else f"mask from {getattr(positions, '__name__', positions)!s}",
+                "context": settings.as_dict(),
+                "shard_bytes": shard_bytes,
+                "corpus": source.description,
+            }
+        )
+        tokens_per_shard = max(1, shard_bytes // per_token)
+        resume = Resume(store, source)
+        if resume.needs_proof():
+            if source.one_shot:
+                raise HarvestError(
+                    f"{store.out} has shards to compute before shards already recorded; checking that the corpus "
+                    "still matches those takes a pass of its own, and a one-shot iterable (a generator) can be "
+                    f"read only once: pass a list, a file or a dataset, or use {OVERWRITE}"
+                )
+            documents = source.read()
+            resume.prove_recorded(
+                plan(rows(documents, model.tokenizer, settings), tokens_per_shard, documents.hexdigest), documents
+            )
+        job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size)
+        stats = CorpusStats()
+        documents = source.read()
+        units = plan(rows(documents, model.tokenizer, settings, stats), tokens_per_shard, documents.hexdigest)
+        bar = Progress(progress, stats)
+        todo = resume.pending(units, documents)
 
-    def finished(unit_index: int, record: dict[str, Any]) -> None:
-        store.add(unit_index, record, stats.as_dict())
-        bar.shard_done(record["tokens"])
+        def finished(unit_index: int, record: dict[str, Any]) -> None:
+            store.add(unit_index, record, stats.as_dict())
+            bar.shard_done(record["tokens"])
 
-    if distributed:
-        from .fanout import run_on_ray
+        if distributed:
+            from .fanout import run_on_ray
 
-        run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs or {}, finished)
-    else:
-        for unit in todo:
-            finished(unit.index, run_unit(model, unit, job))
-    store.finish(stats.as_dict())
-    print(bar.summary(store.out))
+            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs or {}, finished)
+        else:
+            for unit in todo:
+                finished(unit.index, run_unit(model, unit, job))
+        store.finish(stats.as_dict(), documents.hexdigest())
+        print(bar.summary(store.out))
     return load_harvest(store.out)
 
 
