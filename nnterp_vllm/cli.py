@@ -31,6 +31,7 @@ def _harvest(args: argparse.Namespace) -> int:
         args.values,
         args.out,
         engine=args.engine,
+        format=args.format,
         positions=args.positions,
         context_length=args.context_length,
         overflow=args.overflow,
@@ -74,11 +75,21 @@ def parser() -> argparse.ArgumentParser:
     )
     harvest.add_argument("--out", required=True, help="output directory; rerunning the same command resumes it")
     harvest.add_argument("--engine", choices=["hf", "transformers", "vllm"], default="transformers")
+    harvest.add_argument(
+        "--format",
+        choices=["safetensors", "sae-lens"],
+        default="safetensors",
+        help="safetensors shards, or a dataset SAELens's cached-activation training reads as it is",
+    )
     harvest.add_argument("--workers", type=int, default=1, help="Ray actors, one model replica each")
     harvest.add_argument("--ray-address", help="an existing Ray cluster (a local one is started otherwise)")
     harvest.add_argument("--positions", choices=["all", "last"], default="all")
     harvest.add_argument("--context-length", type=int, help="tokens per row (default: whole documents)")
-    harvest.add_argument("--overflow", choices=["truncate", "split", "pack"], default="truncate")
+    harvest.add_argument(
+        "--overflow",
+        choices=["truncate", "split", "pack"],
+        help="what a document longer than the context becomes (default: truncate; pack for --format sae-lens)",
+    )
     harvest.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to each document")
     harvest.add_argument("--text-field", default="text", help="the JSONL / dataset field holding the text")
     harvest.add_argument("--batch-size", type=int, default=8, help="rows per forward on transformers")

@@ -111,7 +111,15 @@ def test_bad_settings_name_the_field_and_allowed_values(kwargs, names):
 
 def test_stats_as_dict():
     stats = CorpusStats(documents=3, empty=1, rows=2, tokens=9)
-    assert stats.as_dict() == {"documents": 3, "empty": 1, "truncated": 0, "split": 0, "rows": 2, "tokens": 9}
+    assert stats.as_dict() == {
+        "documents": 3,
+        "empty": 1,
+        "truncated": 0,
+        "split": 0,
+        "rows": 2,
+        "tokens": 9,
+        "left_out": 0,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -10,7 +10,8 @@ import sys
 import types
 from typing import Any
 
-from .store import Harvest, HarvestError, load_harvest
+from .reader import Harvest, load_harvest
+from .store import HarvestError
 
 __all__ = ["Harvest", "HarvestError", "harvest", "load_harvest"]
 

@@ -101,6 +101,8 @@ class CorpusStats:
     split: int = 0
     rows: int = 0
     tokens: int = 0
+    #: Tokens of rows left out because a layout holds whole context rows only (packing's last, short row).
+    left_out: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counts as a JSON-serializable dict, for the manifest."""

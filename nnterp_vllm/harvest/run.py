@@ -4,8 +4,10 @@ The corpus becomes context rows (`corpus`), the rows become shards of about
 ``shard_bytes`` each, cut at row boundaries in corpus order: the plan depends on the
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
 workers write the same shards. A shard is computed in batches (rows sorted by length on
-transformers, one invoke per row on vLLM) and written atomically, then recorded in the
-manifest. Each unit carries the digest of the corpus read up to its cut, which its record
+transformers, one invoke per row on vLLM, each forward stopped after the deepest value read)
+and written atomically in the chosen layout (`layouts`), then recorded in the manifest. On
+transformers a checkpoint is loaded with sdpa attention unless an attention-interior value is
+read (then eager, which exposes it). Each unit carries the digest of the corpus read up to its cut, which its record
 keeps: a rerun compares those before it trusts (skips) a recorded shard.
 """
 
@@ -23,8 +25,10 @@ from typing import Any
 import torch
 
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
-from .selection import Selection, check_selectors, parse, token_shape
-from .store import OVERWRITE, Harvest, HarvestError, Store, load_harvest, write_shard
+from .layouts import FORMATS
+from .reader import Harvest, load_harvest
+from .selection import ATTENTION_INTERIOR, Selection, Selector, check_selectors, parse, token_shape
+from .store import OVERWRITE, HarvestError, Store, write_shard
 
 ENGINES = ("transformers", "vllm")
 Positions = str | Callable[[list[int]], list[bool]]
@@ -54,6 +58,22 @@ class Job:
     context_length: int | None
     dtype: str
     batch_size: int
+    #: The manifest's settings: the layout a shard is written in follows from them.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def attention_for(selectors: list[Selector]) -> str:
+    """The attention implementation a transformers harvest of ``selectors`` loads a checkpoint with:
+    eager where an attention-interior value is read (only eager exposes them all), else sdpa."""
+    interior = any(selector.key.rsplit(".", 1)[-1] in ATTENTION_INTERIOR for selector in selectors)
+    return "eager" if interior else "sdpa"
+
+
+def attention_of(model: Any) -> str:
+    """The attention implementation ``model`` runs: the transformers config's, or vLLM's own kernels."""
+    if model.ENGINE == "vllm":
+        return "vllm"
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
 def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
@@ -70,6 +90,15 @@ def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = No
     from ..engines.transformers import StandardizedTransformer
 
     return StandardizedTransformer(model, dispatch=dispatch, **kwargs)
+
+
+def whole_rows(row_stream: Iterator[Row], length: int, stats: CorpusStats) -> Iterator[Row]:
+    """The rows of exactly ``length`` tokens; a shorter (packing's last) row is left out and counted."""
+    for row in row_stream:
+        if len(row) == length:
+            yield row
+        else:
+            stats.left_out += len(row)
 
 
 def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], str] | None = None) -> Iterator[Unit]:
@@ -142,10 +171,13 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
     results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
-        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}):
+        # No KV cache to build, and nothing runs past the deepest value read (the rest of the
+        # blocks, the final norm and the head are skipped).
+        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}, use_cache=False) as tracer:
             saved = nnsight.save({})
             for selection in job.selections:
                 saved[selection.name] = selection.read(model)
+            tracer.stop()
         for slot, i in enumerate(batch):
             length = len(unit_rows[i].token_ids)
             results[i] = {
@@ -165,6 +197,8 @@ def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torc
             with tracer.invoke(list(row.token_ids)):
                 for selection in job.selections:
                     saved[(number, selection.name)] = selection.read(model)
+                # Ends this request's worker: it is not served the logits or the sampled token.
+                tracer.stop()
     return [
         {
             selection.name: selection.per_token(saved[(number, selection.name)], len(row.token_ids), job.context_length)
@@ -191,7 +225,7 @@ def shard_record(unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, Any]
 def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     """Compute and write one shard; its manifest record."""
     tensors = compute(model, unit, job)
-    return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors))
+    return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors), job.settings)
 
 
 class Progress:
@@ -215,9 +249,10 @@ class Progress:
     def summary(self, out: Path) -> str:
         self.bar.close()
         seconds = max(time.perf_counter() - self.start, 1e-9)
+        left_out = f", {self.stats.left_out} tokens of a last short row left out" if self.stats.left_out else ""
         return (
             f"harvested {self.tokens} tokens in {self.shards} new shards from {self.stats.documents} documents "
-            f"({self.stats.empty} empty skipped, {self.stats.truncated} truncated, {self.stats.split} split) "
+            f"({self.stats.empty} empty skipped, {self.stats.truncated} truncated, {self.stats.split} split{left_out}) "
             f"at {self.tokens / seconds:.1f} tokens/s into {out}"
         )
 
@@ -333,6 +368,61 @@ class Resume:
         return bool(recorded) and any(index not in self.store.done for index in range(max(recorded) + 1))
 
 
+def _check_format(
+    format: Any, context_length: int | None, overflow: str | None, positions: Any, dtype: str | None
+) -> str:
+    """The overflow mode ``format`` runs with; ValueError for what the format cannot hold."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format != "sae-lens":
+        return overflow or "truncate"
+    why = "format='sae-lens' holds one row per sequence of exactly context_length tokens"
+    if context_length is None:
+        raise ValueError(f"{why}: give a context_length (--context-length)")
+    if overflow not in (None, "pack"):
+        raise ValueError(f"{why}: overflow must be 'pack' (the default for this format), not {overflow!r}")
+    if positions != "all":
+        raise ValueError(f"{why}: positions must be 'all', not {positions!r}")
+    if dtype not in (None, "float32", "float16"):
+        raise ValueError(f"format='sae-lens' stores 'float32' or 'float16' activations, not dtype={dtype!r}")
+    return "pack"
+
+
+def _value_entries(selections: list[Selection], model: Any, context_length: int | None, format: str) -> dict:
+    """The manifest's ``values``: each value's per-token shape and module path (and, for sae-lens, its column)."""
+    entries: dict[str, dict[str, Any]] = {}
+    columns: dict[str, str] = {}
+    for selection in selections:
+        module = selection.module_path(model)
+        entry = {"shape": token_shape(selection, model, context_length), "module": module}
+        if format == "sae-lens":
+            if module is None:
+                raise ValueError(
+                    f"{selection.name} is no module's output, and SAELens names activations by the module it hooks: "
+                    "harvest a layer_output, attention_output or mlp_output (or the default format)"
+                )
+            if module in columns:
+                raise ValueError(f"{columns[module]} and {selection.name} are both the output of {module}: keep one")
+            columns[module] = selection.name
+            entry["column"] = module
+        entries[selection.name] = entry
+    return entries
+
+
+def _units(
+    documents: Digested,
+    tokenizer: Any,
+    settings: ContextSettings,
+    tokens_per_shard: int,
+    whole: bool,
+    stats: CorpusStats,
+) -> Iterator[Unit]:
+    row_stream = rows(documents, tokenizer, settings, stats)
+    if whole:
+        row_stream = whole_rows(row_stream, settings.context_length, stats)
+    return plan(row_stream, tokens_per_shard, documents.hexdigest)
+
+
 def harvest(
     model: Any,
     corpus: Any,
@@ -340,9 +430,10 @@ def harvest(
     out: Path | str,
     *,
     engine: str = "transformers",
+    format: str = "safetensors",
     positions: Positions = "all",
     context_length: int | None = None,
-    overflow: str = "truncate",
+    overflow: str | None = None,
     add_bos: bool = True,
     text_field: str = "text",
     batch_size: int = 8,
@@ -358,15 +449,25 @@ def harvest(
 
     Args:
         model: A checkpoint directory (or hub id), or a StandardizedTransformer / StandardizedVLLM.
+            A checkpoint loads on transformers with sdpa attention, or eager when an attention-interior
+            value (queries, keys, values, scores, probabilities, premix, head outputs) is selected;
+            ``model_kwargs={"attn_implementation": ...}`` overrides. A model passed in keeps its own.
+            The manifest's ``attention`` says what ran.
         corpus: A .txt file (a document per line), a directory of .txt files, a .jsonl file, a
             ``datasets`` dataset (object or saved directory), or a list of texts or of token-id lists.
         values: Selectors such as ``layers.*.layer_output``, ``layers.6.mlp_output``,
             ``layers.3.self_attn.attention_probabilities``, ``final_norm_output``.
         out: The output directory; a rerun of the same command resumes it.
         engine: ``"transformers"`` (or ``"hf"``) or ``"vllm"``, for a checkpoint path.
+        format: ``"safetensors"`` shards (the default), or ``"sae-lens"``: the directory is a
+            ``datasets`` dataset that SAELens's cached-activation training reads as it is (one row per
+            sequence of exactly ``context_length`` tokens, a column per value named by its module path;
+            see `layouts`). It needs a ``context_length``, packs documents into rows (``overflow="pack"``,
+            the last short row is left out and counted), keeps every position, and stores float32 or float16.
         positions: ``"all"`` tokens, the ``"last"`` token of each row, or a function from a row's
             token ids to one keep-flag per token.
-        context_length, overflow, add_bos, text_field: How documents become rows (see `ContextSettings`).
+        context_length, overflow, add_bos, text_field: How documents become rows (see `ContextSettings`);
+            ``overflow`` defaults to ``"truncate"`` (``"pack"`` for the sae-lens format).
         batch_size: Rows per forward on transformers.
         shard_bytes: About how large a shard grows before it is cut (at a row boundary).
         dtype: The dtype activations are stored in (``"float16"``, ``"bfloat16"``, ``"float32"``);
@@ -381,30 +482,41 @@ def harvest(
     _check_arguments(
         model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
     )
-    _engine(engine)
+    engine = _engine(engine)
     if dtype is not None:
         torch_dtype(dtype, "dtype")
+    overflow = _check_format(format, context_length, overflow, positions, dtype)
     settings = ContextSettings(context_length=context_length, overflow=overflow, add_bos=add_bos, text_field=text_field)
     distributed = workers > 1 or ray_address is not None
     if distributed and not isinstance(model, str | Path):
         raise ValueError("workers > 1 builds one model per Ray worker: pass a checkpoint path, not a loaded model")
     source = Corpus(corpus, settings)
+    model_kwargs = dict(model_kwargs or {})
+    if engine == "transformers" and isinstance(model, str | Path):
+        model_kwargs.setdefault("attn_implementation", attention_for(selectors))
     with Store(out, overwrite) as store:
         checkpoint = model
         model = load_model(model, engine, model_kwargs, dispatch=not distributed)
         selections = parse(selectors, model, context_length)
         dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
-        shapes = {selection.name: token_shape(selection, model, context_length) for selection in selections}
+        if format == "sae-lens" and dtype not in ("float32", "float16"):
+            raise ValueError(
+                f"format='sae-lens' stores 'float32' or 'float16' activations: the model's {dtype} "
+                "cannot be; pass dtype='float32' or dtype='float16'"
+            )
+        entries = _value_entries(selections, model, context_length, format)
         itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        per_token = sum(int(torch.tensor(shape).prod()) for shape in shapes.values()) * itemsize
+        per_token = sum(int(torch.tensor(entry["shape"]).prod()) for entry in entries.values()) * itemsize
         model_name = str(checkpoint) if isinstance(checkpoint, str | Path) else str(model.config._name_or_path)
         store.begin(
             {
                 "model": model_name,
                 "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
                 "engine": model.ENGINE,
+                "attention": attention_of(model),
                 "dtype": dtype,
-                "values": {name: {"shape": shape} for name, shape in shapes.items()},
+                "format": format,
+                "values": entries,
                 "positions": positions
                 if isinstance(positions, str)
                 else f"mask from {getattr(positions, '__name__', positions)!s}",
@@ -414,6 +526,7 @@ def harvest(
             }
         )
         tokens_per_shard = max(1, shard_bytes // per_token)
+        whole = format == "sae-lens"
         resume = Resume(store, source)
         if resume.needs_proof():
             if source.one_shot:
@@ -423,13 +536,12 @@ def harvest(
                     f"read only once: pass a list, a file or a dataset, or use {OVERWRITE}"
                 )
             documents = source.read()
-            resume.prove_recorded(
-                plan(rows(documents, model.tokenizer, settings), tokens_per_shard, documents.hexdigest), documents
-            )
-        job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size)
+            units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, CorpusStats())
+            resume.prove_recorded(units, documents)
+        job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size, store.settings)
         stats = CorpusStats()
         documents = source.read()
-        units = plan(rows(documents, model.tokenizer, settings, stats), tokens_per_shard, documents.hexdigest)
+        units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, stats)
         bar = Progress(progress, stats)
         todo = resume.pending(units, documents)
 
@@ -440,7 +552,7 @@ def harvest(
         if distributed:
             from .fanout import run_on_ray
 
-            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs or {}, finished)
+            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished)
         else:
             for unit in todo:
                 finished(unit.index, run_unit(model, unit, job))

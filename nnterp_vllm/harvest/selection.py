@@ -41,6 +41,27 @@ BLOCK_ORDER = (
 HEADS_FIRST = {"attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities"}
 #: Values with a key axis as long as the row: padded to the context length on disk.
 PATTERNS = {"attention_scores", "attention_probabilities"}
+#: Values inside the attention computation: only eager attention exposes them all.
+ATTENTION_INTERIOR = {
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_premix",
+    "attention_head_outputs",
+}
+#: Values that are, by meaning, one module's output (SAELens hooks a transformers model by module).
+MODULE_OUTPUTS = {
+    "layer_output",
+    "attention_output",
+    "self_attn.attention_output",
+    "mlp_output",
+    "mlp.mlp_output",
+    "token_embeddings",
+    "final_norm_output",
+    "lm_head_output",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,28 @@ class Selection:
         for part in self.key.split("."):
             host = getattr(host, part)
         return host
+
+    def module_path(self, model: Any) -> str | None:
+        """The path of the module whose output this value is, as the model names it (``model.layers.6``
+        for ``layers.6.layer_output`` on a llama), following the family to where the value lives; None
+        for a value that is no module's whole output (a block's input, the attention interior, logits)."""
+        from ..components.values import Delegate
+
+        if self.key not in MODULE_OUTPUTS:
+            return None
+        host = model if self.layer is None else model.layers[self.layer]
+        *parents, name = self.key.split(".")
+        for part in parents:
+            host = getattr(host, part)
+        descriptor = getattr(type(host), name)
+        while isinstance(descriptor, Delegate):
+            host = descriptor.host_of(host)
+            descriptor = getattr(type(host), descriptor.target)
+        location, attribute = descriptor.locate(host)
+        root = f"{model.path}."
+        if attribute != "output" or ".source." in location or not location.startswith(root):
+            return None
+        return location.removeprefix(root).removesuffix(".output")
 
     def per_token(self, value: torch.Tensor, length: int, context_length: int | None) -> torch.Tensor:
         """One row's value as ``[tokens, ...]``: the first ``length`` positions, patterns padded to the context."""

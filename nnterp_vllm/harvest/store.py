@@ -1,11 +1,12 @@
-"""The on-disk form of a harvest: sharded safetensors files and a JSON manifest, written atomically.
+"""The output directory of a harvest: shards and a JSON manifest, written atomically, held by one writer.
 
-A directory holds ``manifest.json`` and ``shard-NNNNN.safetensors`` files. Each shard holds,
-for its tokens in corpus order, ``token_ids``, ``documents`` (the document each token came
-from), ``offsets`` (its position in that document), ``rows`` (the context row it was run in)
-and one tensor per harvested value, ``[tokens, ...]``. A shard is written under a temporary
-name and renamed; the manifest is rewritten (also by rename) after every shard, so a run
-killed at any moment leaves only whole shards behind, and the next run picks up after them.
+A directory holds ``manifest.json`` and one file per shard, in the harvest's layout
+(`layouts`: ``shard-NNNNN.safetensors`` files, or the arrow files of a SAELens dataset). Each
+shard holds, for its tokens in corpus order, ``token_ids``, ``documents`` (the document each
+token came from), ``offsets`` (its position in that document), ``rows`` (the context row it
+was run in) and one tensor per harvested value. A shard is written under a temporary name and
+renamed; the manifest is rewritten (also by rename) after every shard, so a run killed at any
+moment leaves only whole shards behind, and the next run picks up after them.
 
 A run holds an exclusive lock on the directory (``.lock``, through ``flock``), so a second
 writer is refused; temporary files carry the writing process's id. A rerun trusts nothing it
@@ -23,12 +24,12 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from .layouts import SaeLens, Safetensors, layout_of
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -36,7 +37,18 @@ LOCK = ".lock"
 VERSION = 2
 READABLE = (1, 2)
 #: Manifest keys that must match for a run to continue a directory.
-SETTINGS = ("model", "config_hash", "engine", "dtype", "values", "positions", "context", "shard_bytes")
+SETTINGS = (
+    "model",
+    "config_hash",
+    "engine",
+    "attention",
+    "dtype",
+    "format",
+    "values",
+    "positions",
+    "context",
+    "shard_bytes",
+)
 RECORD_KEYS = ("index", "file", "bytes", "sha256", "tokens")
 OVERWRITE = "overwrite=True (--overwrite)"
 
@@ -45,10 +57,6 @@ log = logging.getLogger("nnterp_vllm.harvest")
 
 class HarvestError(RuntimeError):
     """A harvest that cannot start or go on: other settings in the directory, an unwritable output."""
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
 
 
 def sha256(path: Path) -> str:
@@ -64,10 +72,11 @@ def staging(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
-def _write_json(path: Path, content: dict[str, Any]) -> None:
+def write_json(path: Path, content: dict[str, Any], sort_keys: bool = True) -> None:
+    """Write ``content`` as JSON at ``path`` atomically (a temporary file, then a rename)."""
     temporary = staging(path)
     try:
-        temporary.write_text(json.dumps(content, indent=2, sort_keys=True))
+        temporary.write_text(json.dumps(content, indent=2, sort_keys=sort_keys))
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -233,6 +242,7 @@ class Store:
         for leftover in self.out.glob("*.tmp"):
             leftover.unlink()
         self.manifest = existing or {"version": VERSION, **settings, "shards": {}, "complete": False}
+        self.settings = {key: self.manifest[key] for key in settings}
         self.recorded = {int(index): record for index, record in self.manifest["shards"].items()}
         self.recorded_complete = bool(self.manifest.get("complete"))
         for index, record in sorted(self.recorded.items()):
@@ -244,8 +254,9 @@ class Store:
                 self.manifest["complete"] = False
 
     def _clear(self) -> None:
-        for shard in self.out.glob("shard-*.safetensors"):
-            shard.unlink()
+        for pattern in (*Safetensors.patterns, *SaeLens.patterns):
+            for path in self.out.glob(pattern):
+                path.unlink()
         (self.out / MANIFEST).unlink(missing_ok=True)
 
     @property
@@ -268,25 +279,23 @@ class Store:
 
     def _save(self) -> None:
         try:
-            _write_json(self.out / MANIFEST, self.manifest)
+            layout_of(self.manifest).publish(self.out, list(self.manifest["shards"].values()))
+            write_json(self.out / MANIFEST, self.manifest)
         except OSError as error:
             raise HarvestError(f"cannot write the manifest in {self.out}: {error.strerror or error}") from error
         self.saved = True
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as one safetensors file at ``path``."""
-    from safetensors.torch import save_file
-
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
-
-
-def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, Any]:
-    """Write one shard under a temporary name, then rename it; a failed write leaves nothing behind."""
-    path = Path(out) / shard_name(index)
+def write_shard(
+    out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Write one shard in the layout ``settings`` name, under a temporary name, then rename it;
+    a failed write leaves nothing behind."""
+    layout = layout_of(settings)
+    path = Path(out) / layout.file_name(index)
     temporary = staging(path)
     try:
-        write_tensors(temporary, tensors)
+        layout.write(temporary, tensors)
         digest = sha256(temporary)
         os.replace(temporary, path)
     except OSError as error:
@@ -296,80 +305,3 @@ def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record:
             "free space (or fix permissions) and rerun the same command to resume."
         ) from error
     return {**record, "file": path.name, "bytes": path.stat().st_size, "sha256": digest}
-
-
-@dataclass
-class Harvest:
-    """A harvest on disk, read back: tokens aligned with activations, shard by shard.
-
-    ``load_harvest(dir)`` gives one. Shards are memory-mapped, so iterating a harvest larger
-    than memory is fine.
-    """
-
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def values(self) -> list[str]:
-        """The harvested values' names."""
-        return list(self.manifest["values"])
-
-    @property
-    def shards(self) -> list[Path]:
-        """The shard files, in corpus order."""
-        records = sorted(self.manifest["shards"].values(), key=lambda record: record["index"])
-        return [self.path / record["file"] for record in records]
-
-    def __len__(self) -> int:
-        return sum(record["tokens"] for record in self.manifest["shards"].values())
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Each shard as ``{name: tensor}``: ``token_ids``, ``documents``, ``offsets``, ``rows`` and the values."""
-        from safetensors import SafetensorError, safe_open
-
-        for path in self.shards:
-            try:
-                with safe_open(str(path), framework="pt") as handle:
-                    shard = {name: handle.get_tensor(name) for name in handle.keys()}
-            except (OSError, SafetensorError) as error:
-                raise HarvestError(
-                    f"cannot read {path.name} in {self.path} ({error}); rerun the harvest command to recompute it"
-                ) from error
-            yield shard
-
-    def verify(self) -> None:
-        """Check every shard's existence, size and checksum against the manifest; HarvestError naming a bad one."""
-        for record in self.manifest["shards"].values():
-            problem = shard_problem(self.path, record)
-            if problem is not None:
-                raise HarvestError(
-                    f"{record['file']} in {self.path} is {problem}; rerun the harvest command to recompute it"
-                )
-
-    def load(self, name: str) -> torch.Tensor:
-        """One column (a value, or ``token_ids``/``documents``/``offsets``/``rows``) for all tokens, in memory."""
-        return torch.cat([shard[name] for shard in self])
-
-    def to_hf_dataset(self, path: Path | str | None = None) -> Any:
-        """The harvest as a HuggingFace ``datasets.Dataset``, one row per token; saved to ``path`` if given."""
-        import datasets
-
-        def generate() -> Iterator[dict[str, Any]]:
-            for shard in self:
-                columns = {
-                    name: tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
-                    for name, tensor in shard.items()
-                }
-                for i in range(len(columns["token_ids"])):
-                    yield {name: column[i] for name, column in columns.items()}
-
-        dataset = datasets.Dataset.from_generator(generate)
-        if path is not None:
-            dataset.save_to_disk(str(path))
-        return dataset
-
-
-def load_harvest(path: Path | str) -> Harvest:
-    """Open a harvest directory written by `harvest` (complete or not: the shards written so far)."""
-    path = Path(path)
-    return Harvest(path, read_manifest(path))
