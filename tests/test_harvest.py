@@ -373,18 +373,17 @@ def test_sdpa_unless_an_attention_interior_value_is_read(llama_path, llama, tmp_
 
 
 @pytest.fixture(scope="module")
-def harvests(llama_path, tmp_path_factory):
+def harvests(llama, tmp_path_factory):
     """The same corpus harvested in both layouts, packed into rows of 32 tokens."""
     root = tmp_path_factory.mktemp("layouts")
-    docs = documents(24, seed=7)
     values = ["layers.1.layer_output", "layers.2.mlp_output"]
     options = {"context_length": 32, "shard_bytes": 40_000, "progress": False}
-    default = harvest(llama_path, docs, values, root / "safetensors", overflow="pack", **options)
-    sae_lens = harvest(llama_path, docs, values, root / "sae-lens", format="sae-lens", **options)
+    default = harvest(llama, documents(16, seed=7), values, root / "safetensors", overflow="pack", **options)
+    sae_lens = harvest(llama, documents(16, seed=7), values, root / "sae-lens", format="sae-lens", **options)
     return default, sae_lens
 
 
-def test_sae_lens_layout_is_the_dataset_saelens_reads(harvests, tmp_path):
+def test_sae_lens_layout_is_the_dataset_saelens_reads(llama, harvests, tmp_path):
     import datasets
 
     default, sae_lens = harvests
@@ -407,8 +406,8 @@ def test_sae_lens_layout_is_the_dataset_saelens_reads(harvests, tmp_path):
     files = {path.name: path.read_bytes() for path in out.iterdir()}
     (out / "data-00001.arrow").unlink()
     harvest(
-        sae_lens.manifest["model"],
-        documents(24, seed=7),
+        llama,
+        documents(16, seed=7),
         sae_lens.values,
         out,
         format="sae-lens",

@@ -1,8 +1,9 @@
 """How a harvest's shards are laid out on disk: safetensors files (the default) or SAELens's cached-activation dataset.
 
-A layout writes one shard from per-token tensors and maps one back as per-token tensors
-without copying (a private, copy-on-write mapping of the file, so the tensors can be edited
-in place without touching the file). Importing this module imports neither nnsight nor vLLM.
+A layout writes one shard from per-token tensors and says where in the file each column's
+tokens lie (`Column`: every column is stored token after token, contiguous), so a reader can
+read any range of tokens straight into a tensor with one ``preadv``. Importing this module
+imports neither nnsight nor vLLM.
 
 ``sae-lens``: the output directory is itself a ``datasets`` ``save_to_disk`` directory that
 SAELens's cached-activation training reads as it is: one row per sequence of exactly
@@ -16,11 +17,12 @@ so far and are rewritten with the manifest after each one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
-import warnings
-from dataclasses import asdict
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,40 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def _mapped(path: Path) -> mmap.mmap:
-    """A private copy-on-write mapping of ``path``: edits stay in memory, the file is never written."""
-    with open(path, "rb") as handle:
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+@dataclass(frozen=True)
+class Column:
+    """Where one column of a shard lies in its file: ``tokens`` rows of ``shape``, contiguous from byte
+    ``offset``; a column with no offset is computed, not stored (a sae-lens shard's ``rows``: token // context)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tokens: int
+    offset: int | None = None
+    context: int | None = None
+
+    @functools.cached_property
+    def row_bytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, descriptor: int, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, ``len(out)`` rows of this column's dtype) with the rows from ``start`` on."""
+        if self.offset is None:
+            torch.floor_divide(torch.arange(start, start + len(out)), self.context, out=out)
+            return
+        if not len(out):
+            return
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        wanted = len(out) * self.row_bytes
+        got = os.preadv(descriptor, [view], self.offset + start * self.row_bytes)
+        self._check(wanted, got)
+
+    @staticmethod
+    def _check(wanted: int, got: int) -> None:
+        if got != wanted:
+            raise ValueError(f"the file ends {wanted - got} bytes short of the rows the manifest records")
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -72,25 +104,18 @@ class Safetensors:
     def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
         write_tensors(path, tensors)
 
-    def columns(self, path: Path) -> dict[str, torch.Tensor]:
-        """Every column of the shard at ``path``, mapped, ``[tokens, ...]``."""
-        mapped = _mapped(path)
-        size = int.from_bytes(mapped[:8], "little")
-        header = json.loads(mapped[8 : 8 + size])
-        start = 8 + size
+    def locate(self, path: Path) -> dict[str, Column]:
+        """Where every column of the shard at ``path`` lies: from the safetensors header."""
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
         columns = {}
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            first, last = entry["data_offsets"]
-            count = (last - first) // torch.empty((), dtype=dtype).element_size()
-            flat = (
-                torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + first)
-                if count
-                else torch.empty(0, dtype=dtype)
-            )
-            columns[name] = flat.reshape(entry["shape"])
+            shape = tuple(entry["shape"])
+            first = entry["data_offsets"][0]
+            columns[name] = Column(SAFETENSORS_DTYPES[entry["dtype"]], shape[1:], shape[0], 8 + size + first)
         return columns
 
     def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
@@ -134,33 +159,40 @@ class SaeLens:
         batch["token_ids"] = by_row(tensors["token_ids"].to(torch.int32))
         batch["documents"] = by_row(tensors["documents"])
         batch["offsets"] = by_row(tensors["offsets"])
-        writer = ArrowWriter(features=self.features(), path=str(path))
+        # One record batch per file, so a shard maps back as one zero-copy array per column.
+        rows = len(batch["token_ids"])
+        writer = ArrowWriter(features=self.features(), path=str(path), writer_batch_size=max(rows, 1))
         try:
-            writer.write_batch(batch)
+            writer.write_batch(batch, writer_batch_size=max(rows, 1))
             writer.finalize()
         finally:
             writer.close()
 
-    def columns(self, path: Path) -> dict[str, torch.Tensor]:
-        """Every column of the shard at ``path`` under our names, mapped, ``[tokens, ...]``."""
+    def locate(self, path: Path) -> dict[str, Column]:
+        """Where every column of the shard at ``path`` lies, under our names: from the arrow stream's buffers."""
         import pyarrow as pa
 
-        table = pa.ipc.open_stream(pa.py_buffer(_mapped(path))).read_all()
+        with open(path, "rb") as handle:
+            whole = pa.py_buffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        table = pa.ipc.open_stream(pa.BufferReader(whole)).read_all()
 
-        def per_token(column: str) -> torch.Tensor:
-            array = table.column(column).combine_chunks()
-            array = array.storage if isinstance(array, pa.ExtensionArray) else array
+        def column(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Column:
+            chunks = table.column(name).chunks
+            if len(chunks) != 1:
+                raise ValueError(f"column {name!r} is in {len(chunks)} record batches; expected one")
+            array = chunks[0].storage if isinstance(chunks[0], pa.ExtensionArray) else chunks[0]
             while pa.types.is_fixed_size_list(array.type) or pa.types.is_list(array.type):
                 array = array.flatten()
-            with warnings.catch_warnings():  # the mapping is private: writes never reach the file
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(array.to_numpy(zero_copy_only=True))
+            start = array.buffers()[1].address - whole.address + array.offset * array.type.byte_width
+            per_token = int(torch.tensor(shape).prod()) if shape else 1
+            return Column(dtype, shape, len(array) // per_token, start)
 
-        columns = {name: per_token(entry["column"]).reshape(-1, *entry["shape"]) for name, entry in self.values.items()}
-        columns["token_ids"] = per_token("token_ids").to(torch.int64)
-        columns["documents"] = per_token("documents")
-        columns["offsets"] = per_token("offsets")
-        columns["rows"] = torch.arange(len(columns["token_ids"])) // self.context
+        dtype = getattr(torch, self.manifest["dtype"])
+        columns = {name: column(entry["column"], dtype, tuple(entry["shape"])) for name, entry in self.values.items()}
+        columns["token_ids"] = column("token_ids", torch.int32, ())
+        columns["documents"] = column("documents", torch.int64, ())
+        columns["offsets"] = column("offsets", torch.int64, ())
+        columns["rows"] = Column(torch.int64, (), columns["token_ids"].tokens, context=self.context)
         return columns
 
     def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
@@ -193,4 +225,4 @@ def layout_of(manifest: dict[str, Any]) -> Safetensors | SaeLens:
     return SaeLens(manifest) if manifest.get("format") == "sae-lens" else Safetensors(manifest)
 
 
-__all__ = ["FORMATS", "METADATA", "SaeLens", "Safetensors", "layout_of", "write_tensors"]
+__all__ = ["FORMATS", "METADATA", "Column", "SaeLens", "Safetensors", "layout_of", "write_tensors"]

@@ -6,14 +6,17 @@ only torch (and ``datasets``/``pyarrow`` for the SAELens layout) can open a harv
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from .layouts import METADATA, layout_of
+from .layouts import METADATA, Column, layout_of
 from .store import HarvestError, read_manifest, shard_problem
 
 #: How many chunks, each from a random place of a random shard, fill one shuffle buffer.
@@ -24,8 +27,8 @@ CHUNKS_PER_BUFFER = 16
 class Harvest:
     """A harvest on disk, read back: tokens aligned with activations, shard by shard.
 
-    ``load_harvest(dir)`` gives one. Shards are memory-mapped (privately: editing a tensor
-    read from one never changes the file), so iterating a harvest larger than memory is fine.
+    ``load_harvest(dir)`` gives one. Reading takes the tokens a call asks for straight from the
+    files (one ``preadv`` per column and range), so a harvest larger than memory is fine.
     """
 
     path: Path
@@ -49,18 +52,48 @@ class Harvest:
     def __len__(self) -> int:
         return sum(record["tokens"] for record in self.manifest["shards"].values())
 
-    def _columns(self, path: Path) -> dict[str, torch.Tensor]:
+    def _located(self, record: dict[str, Any]) -> dict[str, Column]:
+        path = self.path / record["file"]
         try:
-            return layout_of(self.manifest).columns(path)
+            columns = layout_of(self.manifest).locate(path)
         except (OSError, ValueError, KeyError) as error:
-            raise HarvestError(
-                f"cannot read {path.name} in {self.path} ({error}); rerun the harvest command to recompute it"
-            ) from error
+            raise self._unreadable(record, error) from error
+        if columns["token_ids"].tokens != record["tokens"]:
+            raise self._unreadable(record, f"it holds {columns['token_ids'].tokens} tokens, not {record['tokens']}")
+        return columns
+
+    def _unreadable(self, record: dict[str, Any], why: Any) -> HarvestError:
+        return HarvestError(
+            f"cannot read {record['file']} in {self.path} ({why}); rerun the harvest command to recompute it"
+        )
+
+    def _read(
+        self,
+        record: dict[str, Any],
+        columns: dict[str, Column],
+        names: list[str],
+        start: int,
+        stop: int,
+        out: dict[str, torch.Tensor],
+        at: int,
+    ) -> None:
+        """Read tokens ``start:stop`` of ``names`` from one shard into ``out[name][at:]``."""
+        with self._open(record) as descriptor:
+            for name in names:
+                columns[name].read(descriptor, start, out[name][at : at + stop - start])
+
+    @staticmethod
+    def _empty(columns: dict[str, Column], names: list[str], count: int) -> dict[str, torch.Tensor]:
+        return {name: torch.empty((count, *columns[name].shape), dtype=columns[name].dtype) for name in names}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """Each shard as ``{name: tensor}``: ``token_ids``, ``documents``, ``offsets``, ``rows`` and the values."""
-        for path in self.shards:
-            yield self._columns(path)
+        names = [*METADATA, *self.values]
+        for record in self.records:
+            columns = self._located(record)
+            shard = self._empty(columns, names, record["tokens"])
+            self._read(record, columns, names, 0, record["tokens"], shard, 0)
+            yield _as_read(shard)
 
     def verify(self) -> None:
         """Check every shard's existence, size and checksum against the manifest; HarvestError naming a bad one."""
@@ -74,7 +107,16 @@ class Harvest:
     def load(self, name: str) -> torch.Tensor:
         """One column (a value, or ``token_ids``/``documents``/``offsets``/``rows``) for all tokens, in memory."""
         self._names([name])
-        return torch.cat([shard[name] for shard in self])
+        records = self.records
+        if not records:
+            return torch.empty(0)
+        columns = [self._located(record) for record in records]
+        out = self._empty(columns[0], [name], len(self))
+        at = 0
+        for record, located in zip(records, columns):
+            self._read(record, located, [name], 0, record["tokens"], out, at)
+            at += record["tokens"]
+        return _as_read(out)[name]
 
     def _names(self, names: list[str]) -> list[str]:
         unknown = [name for name in names if name not in self.manifest["values"] and name not in METADATA]
@@ -99,61 +141,94 @@ class Harvest:
             seed: The permutation's seed (pass ``seed + epoch`` for a new order each epoch).
             values: The columns to yield: harvested values and ``token_ids``/``documents``/``offsets``/``rows``
                 (every harvested value by default).
-            buffer_bytes: The memory bound. The tokens are cut into chunks of about
-                ``buffer_bytes / 16`` bytes of the chosen columns; the chunks are visited in a random
-                order, 16 at a time (a buffer, from up to 16 different shards and places), and each
-                buffer's tokens are dealt into batches in a random order. At most one buffer of shards
-                is mapped at a time, plus the batch being built (and under one batch carried over).
+            buffer_bytes: The memory bound of a shuffled read. The tokens are cut into chunks of about
+                ``buffer_bytes / 16`` bytes of the chosen columns; the chunks are read in a random order,
+                16 at a time, into one buffer (so a buffer mixes up to 16 places of up to 16 shards), whose
+                tokens are dealt into batches in a random order. Memory: the buffer, plus the batch being
+                built (and fewer than a batch's tokens carried over to the next buffer). A sequential read
+                holds one batch.
             drop_last: Leave out a last batch shorter than ``batch_size``.
 
-        Each batch is a fresh tensor per column (one copy out of the mapped shards, in either order).
-        Within a batch, tokens are grouped by the chunk they were read from.
+        Every batch is a new tensor per column, read or gathered once from the files.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
         names = self._names(list(values) if values is not None else self.values)
-        generator = torch.Generator().manual_seed(seed)
-        token_bytes = sum(self._token_bytes(name) for name in names)
-        chunk = max(1, buffer_bytes // CHUNKS_PER_BUFFER // max(token_bytes, 1))
+        records = [record for record in self.records if record["tokens"]]
+        if not records:
+            return
+        located = {record["index"]: self._located(record) for record in records}
+        sample = located[records[0]["index"]]
+        chunk = batch_size
+        if shuffle:
+            chunk = max(1, buffer_bytes // CHUNKS_PER_BUFFER // max(1, sum(sample[n].row_bytes for n in names)))
         chunks = [
             (record, start, min(start + chunk, record["tokens"]))
-            for record in self.records
+            for record in records
             for start in range(0, record["tokens"], chunk)
         ]
-        if shuffle:
-            chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
-        carry: dict[str, torch.Tensor] | None = None
+        if not shuffle:
+            yield from self._in_order(chunks, located, names, batch_size, drop_last)
+            return
+        generator = torch.Generator().manual_seed(seed)
+        chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
+        buffer = self._empty(sample, names, CHUNKS_PER_BUFFER * chunk + batch_size)
+        carried = 0
         for first in range(0, len(chunks), CHUNKS_PER_BUFFER):
-            mapped: dict[Path, dict[str, torch.Tensor]] = {}
-            segments = [carry] if carry else []
+            total = carried  # the tokens carried over from the last buffer lead this one
             for record, start, stop in chunks[first : first + CHUNKS_PER_BUFFER]:
-                path = self.path / record["file"]
-                if path not in mapped:
-                    mapped[path] = self._columns(path)
-                segments.append({name: mapped[path][name][start:stop] for name in names})
-            del mapped
-            lengths = torch.tensor([len(segment[names[0]]) for segment in segments])
-            starts = torch.cumsum(lengths, 0) - lengths
-            total = int(lengths.sum())
-            order = torch.randperm(total, generator=generator) if shuffle else torch.arange(total)
+                self._read(record, located[record["index"]], names, start, stop, buffer, total)
+                total += stop - start
+            order = torch.randperm(total, generator=generator).numpy()
             # Fewer than a batch left over lead the next buffer; after the last buffer they are the last batch.
             whole = total if first + CHUNKS_PER_BUFFER >= len(chunks) else total - total % batch_size
             for begin in range(0, whole, batch_size):
-                batch = _gather(segments, names, starts, order[begin : begin + batch_size].sort().values, shuffle)
-                if len(batch[names[0]]) == batch_size or not drop_last:
-                    yield batch
-            carry = _gather(segments, names, starts, order[whole:].sort().values, shuffle) if whole < total else None
+                picked = np.sort(order[begin : begin + batch_size])  # in buffer order: reads in address order
+                if len(picked) == batch_size or not drop_last:
+                    yield _as_read({name: _take(buffer[name], picked) for name in names})
+            rest = order[whole:]
+            for name in names:
+                _rows(buffer[name])[: len(rest)] = _rows(buffer[name])[rest]
+            carried = len(rest)
 
-    def _token_bytes(self, name: str) -> int:
-        if name in METADATA:
-            return 8
-        entry = self.manifest["values"][name]
-        count = 1
-        for size in entry["shape"]:
-            count *= size
-        return count * torch.empty((), dtype=getattr(torch, self.manifest["dtype"])).element_size()
+    @contextlib.contextmanager
+    def _open(self, record: dict[str, Any]) -> Iterator[int]:
+        """A descriptor of the shard ``record`` names; a failed read in it is a HarvestError naming the shard."""
+        try:
+            descriptor = os.open(self.path / record["file"], os.O_RDONLY)
+        except OSError as error:
+            raise self._unreadable(record, error) from error
+        try:
+            yield descriptor
+        except (OSError, ValueError) as error:
+            raise self._unreadable(record, error) from error
+        finally:
+            os.close(descriptor)
+
+    def _in_order(self, chunks: list, located: dict, names: list[str], batch_size: int, drop_last: bool):
+        """The batches of a sequential read: each one read straight from the files into its own tensors."""
+        pending: list[tuple[dict[str, Any], int, int]] = []
+        count = 0
+        for index, (record, start, stop) in enumerate(chunks):
+            while start < stop:
+                take = min(stop - start, batch_size - count)
+                pending.append((record, start, start + take))
+                count += take
+                start += take
+                if count == batch_size or (index == len(chunks) - 1 and start == stop):
+                    if count == batch_size or not drop_last:
+                        yield self._gathered(pending, located, names, count)
+                    pending, count = [], 0
+
+    def _gathered(self, pieces: list, located: dict, names: list[str], count: int) -> dict[str, torch.Tensor]:
+        batch = self._empty(located[pieces[0][0]["index"]], names, count)
+        at = 0
+        for record, start, stop in pieces:
+            self._read(record, located[record["index"]], names, start, stop, batch, at)
+            at += stop - start
+        return _as_read(batch)
 
     def to_hf_dataset(self, path: Path | str | None = None) -> Any:
         """The harvest as a HuggingFace ``datasets.Dataset``, one row per token; saved to ``path`` if given.
@@ -178,31 +253,24 @@ class Harvest:
         return dataset
 
 
-def _gather(
-    segments: list[dict[str, torch.Tensor]],
-    names: list[str],
-    starts: torch.Tensor,
-    positions: torch.Tensor,
-    shuffle: bool,
-) -> dict[str, torch.Tensor]:
-    """The tokens at ``positions`` (sorted) of the segments laid end to end, as new tensors."""
-    owner = torch.searchsorted(starts, positions, right=True) - 1
-    groups, counts = torch.unique_consecutive(owner, return_counts=True)
-    batch = {}
-    for name in names:
-        source = segments[int(groups[0])][name]
-        out = torch.empty((len(positions), *source.shape[1:]), dtype=source.dtype)
-        done = 0
-        for group, local in zip(groups.tolist(), torch.split(positions, counts.tolist())):
-            local = local - starts[group]
-            target = out[done : done + len(local)]
-            if shuffle:
-                torch.index_select(segments[group][name], 0, local, out=target)
-            else:
-                target.copy_(segments[group][name][int(local[0]) : int(local[-1]) + 1])
-            done += len(local)
-        batch[name] = out
-    return batch
+def _take(tensor: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """``tensor[rows]`` as a new tensor, gathered by numpy as raw bytes: one thread, whatever the dtype.
+
+    torch's own gather splits even a small one across its thread pool, which on a busy machine
+    costs many times the copy itself.
+    """
+    gathered = torch.from_numpy(np.take(_rows(tensor), rows, axis=0))
+    return gathered.view(tensor.dtype).reshape(len(rows), *tensor.shape[1:])
+
+
+def _rows(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` (contiguous) as a numpy array of raw bytes, one row per token, sharing its memory."""
+    return tensor.view(torch.uint8).reshape(len(tensor), tensor[:1].numel() * tensor.element_size()).numpy()
+
+
+def _as_read(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Metadata columns as int64, whatever a layout stores them as (sae-lens keeps token ids in int32)."""
+    return {name: tensor.long() if name in METADATA else tensor for name, tensor in columns.items()}
 
 
 def load_harvest(path: Path | str) -> Harvest:
