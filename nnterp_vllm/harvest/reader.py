@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .layouts import METADATA, Column, layout_of
-from .store import HarvestError, read_manifest, shard_problem
+from .store import HarvestError, positive_int, read_manifest, shard_problem
 
 #: How many chunks, each from a random place of a random shard, fill one shuffle buffer.
 CHUNKS_PER_BUFFER = 16
@@ -151,10 +151,8 @@ class Harvest:
 
         Every batch is a new tensor per column, read or gathered once from the files.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
-            raise ValueError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
+        positive_int(batch_size, "batch_size")
+        positive_int(buffer_bytes, "buffer_bytes")
         names = self._names(list(values) if values is not None else self.values)
         records = [record for record in self.records if record["tokens"]]
         if not records:

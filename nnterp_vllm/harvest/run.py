@@ -27,8 +27,9 @@ import torch
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
 from .layouts import FORMATS
 from .reader import Harvest, load_harvest
+from .resume import Resume
 from .selection import ATTENTION_INTERIOR, Selection, Selector, check_selectors, parse, token_shape
-from .store import OVERWRITE, HarvestError, Store, write_shard
+from .store import OVERWRITE, HarvestError, Store, positive_int, write_shard
 
 ENGINES = ("transformers", "vllm")
 Positions = str | Callable[[list[int]], list[bool]]
@@ -264,12 +265,6 @@ def torch_dtype(name: Any, what: str) -> str:
     return name
 
 
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
 def _engine(engine: Any) -> str:
     """The engine's name (``"hf"`` is ``"transformers"``); ValueError for another."""
     engine = "transformers" if engine == "hf" else engine
@@ -293,79 +288,7 @@ def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict of keyword arguments, not {model_kwargs!r}")
     for what, value in counts.items():
-        _positive_int(value, what)
-
-
-class Resume:
-    """What a rerun may trust: the recorded shards whose corpus digests the corpus read now reproduces.
-
-    A recorded shard is skipped only once the corpus read through it hashes as its record says;
-    a difference, a corpus longer than a finished harvest's or shorter than the shards recorded,
-    is refused with HarvestError naming the first shard that differs.
-    """
-
-    def __init__(self, store: Store, corpus: Corpus) -> None:
-        self.store = store
-        self.corpus = corpus
-
-    def _changed(self, what: str) -> HarvestError:
-        return HarvestError(
-            f"the corpus is not the one {self.store.out} was harvested from "
-            f"({self.store.manifest.get('corpus', 'unknown')}): {what}. Harvest that corpus again, choose another "
-            f"--out directory, or use {OVERWRITE} to harvest this one from scratch."
-        )
-
-    def check(self, unit: Unit) -> None:
-        """Refuse ``unit`` if the corpus read through it differs from what its record says."""
-        store = self.store
-        record = store.recorded.get(unit.index)
-        if record is None:
-            if store.recorded_complete:
-                raise self._changed(f"it now yields more than the {len(store.recorded)} shards of the finished harvest")
-        elif record.get("corpus_sha256") != unit.corpus_sha256:
-            raise self._changed(
-                f"a document read for {record['file']} (documents {record['first_document']} to "
-                f"{record['last_document']}) differs"
-            )
-
-    def check_end(self, last_index: int, documents: Digested) -> None:
-        """Refuse a corpus that ended before the recorded shards, or that differs after a finished harvest's last."""
-        store = self.store
-        beyond = sorted(index for index in store.recorded if index > last_index)
-        if beyond:
-            raise self._changed(f"it now ends before {store.recorded[beyond[0]]['file']}")
-        if store.recorded_complete and store.manifest.get("corpus_sha256") != documents.hexdigest():
-            raise self._changed("documents after the last shard's differ")
-
-    def pending(self, units: Iterator[Unit], documents: Digested) -> Iterator[Unit]:
-        """The units still to compute, each checked against the record of the same index first."""
-        last = -1
-        for unit in units:
-            self.check(unit)
-            last = unit.index
-            if unit.index not in self.store.done:
-                yield unit
-        self.check_end(last, documents)
-
-    def prove_recorded(self, units: Iterator[Unit], documents: Digested) -> None:
-        """Check every recorded shard's digest in a pass of its own, computing nothing.
-
-        Needed before the first unit is computed when a shard to compute comes before recorded
-        ones (a damaged shard, or out-of-order Ray workers): otherwise a difference after it
-        would only show once work had started.
-        """
-        last_recorded = max(self.store.recorded)
-        last = -1
-        for unit in units:
-            self.check(unit)
-            last = unit.index
-            if last >= last_recorded:
-                return
-        self.check_end(last, documents)
-
-    def needs_proof(self) -> bool:
-        recorded = self.store.recorded
-        return bool(recorded) and any(index not in self.store.done for index in range(max(recorded) + 1))
+        positive_int(value, what)
 
 
 def _check_format(
@@ -527,7 +450,7 @@ def harvest(
         )
         tokens_per_shard = max(1, shard_bytes // per_token)
         whole = format == "sae-lens"
-        resume = Resume(store, source)
+        resume = Resume(store)
         if resume.needs_proof():
             if source.one_shot:
                 raise HarvestError(

@@ -59,6 +59,13 @@ class HarvestError(RuntimeError):
     """A harvest that cannot start or go on: other settings in the directory, an unwritable output."""
 
 
+def positive_int(value: Any, what: str) -> int:
+    """``value`` if it is a positive int (not a bool), else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
