@@ -38,7 +38,6 @@ BATCH_SIZE = 8
 SHARD_BYTES = 256 * 2**20
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
-READ_BUFFER = 64 * 2**20  # several buffers per epoch even for this small harvest, as for a large one
 
 
 def build_corpus(path: Path, count: int) -> None:
@@ -154,7 +153,7 @@ def read_back(out: Path, rounds: int = 3) -> dict[str, float]:
     for name in ["warm-up", *["sequential", "shuffled"] * rounds]:
         began = time.perf_counter()
         tokens = 0
-        for batch in harvest.batches(READ_BATCH, shuffle=name == "shuffled", seed=0, buffer_bytes=READ_BUFFER):
+        for batch in harvest.batches(READ_BATCH, shuffle=name == "shuffled", seed=0):
             tokens += len(next(iter(batch.values())))
         if name in rates:
             rates[name] = max(rates[name], tokens / (time.perf_counter() - began))
@@ -243,7 +242,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     if "read" in results:
         read, peak = results["read"]["read"], results["read"]["peak_mib"]
         print(
-            f"  reading (b) back, batches of {READ_BATCH}, every value, {READ_BUFFER >> 20} MiB buffer, best of 3 "
+            f"  reading (b) back, batches of {READ_BATCH}, every value, the default 256 MiB buffer, best of 3 "
             f"(peak RSS {peak:.0f} MiB):"
         )
         for name, value in read.items():

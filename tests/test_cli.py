@@ -89,6 +89,8 @@ def refusal(tmp_path: Path, case: str) -> tuple[list[str], str]:
         arguments = harvest_arguments(tmp_path)
         arguments[5] = "layers.0.self_attn.attention_probabilities"
         return arguments, "needs a context length"
+    if case == "sae-lens-without-context":
+        return harvest_arguments(tmp_path, "--format", "sae-lens"), "format='sae-lens' .* give a context_length"
     raise AssertionError(case)
 
 
@@ -104,6 +106,7 @@ REFUSALS = [
     "model-dtype",
     "context-length",
     "pattern-without-context",
+    "sae-lens-without-context",
 ]
 
 

@@ -17,7 +17,7 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, load_harvest
-from nnterp_vllm.harvest import HarvestError, harvest
+from nnterp_vllm.harvest import Harvest, HarvestError, harvest
 from nnterp_vllm.harvest import layouts as layouts_module
 from nnterp_vllm.harvest.corpus import CorpusError
 
@@ -436,11 +436,20 @@ def test_what_the_sae_lens_layout_cannot_hold_is_refused(llama, tmp_path, kwargs
     assert not (tmp_path / "out").exists()
 
 
-#: A small shuffle buffer: 16 chunks of 10 tokens of the three columns read (528 bytes a token).
-BUFFER = 16 * 10 * 528
+#: A small shuffle buffer: 22 batches of 7 tokens of the three columns read (528 bytes a token), in 16 chunks.
+BUFFER = 160 * 528
 
 
-def test_batches_visit_every_token_once_per_epoch(harvests):
+def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
+    allocated = []
+    empty = Harvest._empty
+
+    def recorded(columns, names, count):
+        tensors = empty(columns, names, count)
+        allocated.append(sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
+        return tensors
+
+    monkeypatch.setattr(Harvest, "_empty", staticmethod(recorded))
     for result in harvests:
         names = ["layers.1.layer_output", "documents", "offsets"]
         every = {name: result.load(name) for name in names}
@@ -448,8 +457,10 @@ def test_batches_visit_every_token_once_per_epoch(harvests):
         assert all(len(batch["documents"]) == 7 for batch in sequential[:-1])
         for name in names:
             assert torch.equal(torch.cat([batch[name] for batch in sequential]), every[name])
-        # Many buffers, with remainders carried over between them.
+        # Many buffers, each filled from chunks cut where the buffer ends.
+        allocated.clear()
         shuffled = list(result.batches(7, seed=3, values=names, buffer_bytes=BUFFER))
+        assert max(allocated) <= BUFFER  # the memory bound: one buffer (the batches are far smaller)
         order = torch.cat([batch["documents"] * 1000 + batch["offsets"] for batch in shuffled])
         keys = every["documents"] * 1000 + every["offsets"]
         assert sorted(order.tolist()) == sorted(keys.tolist()) and len(set(keys.tolist())) == len(keys)

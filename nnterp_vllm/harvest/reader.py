@@ -141,12 +141,12 @@ class Harvest:
             seed: The permutation's seed (pass ``seed + epoch`` for a new order each epoch).
             values: The columns to yield: harvested values and ``token_ids``/``documents``/``offsets``/``rows``
                 (every harvested value by default).
-            buffer_bytes: The memory bound of a shuffled read. The tokens are cut into chunks of about
-                ``buffer_bytes / 16`` bytes of the chosen columns; the chunks are read in a random order,
-                16 at a time, into one buffer (so a buffer mixes up to 16 places of up to 16 shards), whose
-                tokens are dealt into batches in a random order. Memory: the buffer, plus the batch being
-                built (and fewer than a batch's tokens carried over to the next buffer). A sequential read
-                holds one batch.
+            buffer_bytes: The memory bound of a shuffled read. A buffer holds as many whole batches of the
+                chosen columns as fit in ``buffer_bytes`` (at least one); the tokens are cut into chunks of a
+                16th of a buffer, the chunks are read in a random order into the buffer, about 16 at a time
+                (so a buffer mixes up to 16 places of up to 16 shards), and each buffer's tokens are dealt
+                into batches in a random order. Memory: the buffer, plus the batch being built. A
+                sequential read holds one batch.
             drop_last: Leave out a last batch shorter than ``batch_size``.
 
         Every batch is a new tensor per column, read or gathered once from the files.
@@ -159,9 +159,10 @@ class Harvest:
             return
         located = {record["index"]: self._located(record) for record in records}
         sample = located[records[0]["index"]]
-        chunk = batch_size
-        if shuffle:
-            chunk = max(1, buffer_bytes // CHUNKS_PER_BUFFER // max(1, sum(sample[n].row_bytes for n in names)))
+        token_bytes = max(1, sum(sample[name].row_bytes for name in names))
+        # A buffer holds a whole number of batches, so no batch straddles two; its chunks are a 16th of it.
+        capacity = max(batch_size, buffer_bytes // token_bytes // batch_size * batch_size) if shuffle else batch_size
+        chunk = max(1, capacity // CHUNKS_PER_BUFFER) if shuffle else batch_size
         chunks = [
             (record, start, min(start + chunk, record["tokens"]))
             for record in records
@@ -172,24 +173,22 @@ class Harvest:
             return
         generator = torch.Generator().manual_seed(seed)
         chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
-        buffer = self._empty(sample, names, CHUNKS_PER_BUFFER * chunk + batch_size)
-        carried = 0
-        for first in range(0, len(chunks), CHUNKS_PER_BUFFER):
-            total = carried  # the tokens carried over from the last buffer lead this one
-            for record, start, stop in chunks[first : first + CHUNKS_PER_BUFFER]:
-                self._read(record, located[record["index"]], names, start, stop, buffer, total)
-                total += stop - start
+        buffer = self._empty(sample, names, capacity)
+        pieces = iter(chunks)
+        piece = next(pieces, None)
+        while piece is not None:
+            total = 0  # fill the buffer from the chunks in their random order, cutting the last one taken
+            while piece is not None and total < capacity:
+                record, start, stop = piece
+                take = min(stop - start, capacity - total)
+                self._read(record, located[record["index"]], names, start, start + take, buffer, total)
+                total += take
+                piece = (record, start + take, stop) if start + take < stop else next(pieces, None)
             order = torch.randperm(total, generator=generator).numpy()
-            # Fewer than a batch left over lead the next buffer; after the last buffer they are the last batch.
-            whole = total if first + CHUNKS_PER_BUFFER >= len(chunks) else total - total % batch_size
-            for begin in range(0, whole, batch_size):
+            for begin in range(0, total, batch_size):
                 picked = np.sort(order[begin : begin + batch_size])  # in buffer order: reads in address order
                 if len(picked) == batch_size or not drop_last:
                     yield _as_read({name: _take(buffer[name], picked) for name in names})
-            rest = order[whole:]
-            for name in names:
-                _rows(buffer[name])[: len(rest)] = _rows(buffer[name])[rest]
-            carried = len(rest)
 
     @contextlib.contextmanager
     def _open(self, record: dict[str, Any]) -> Iterator[int]:
