@@ -52,6 +52,7 @@ __all__ = [
     "engine_kwargs",
     "is_cpu_platform",
     "shutdown",
+    "shutdown_llm",
 ]
 
 #: Dotted path of the nnsight worker for vLLM's CPU platform (what vLLM imports in each worker).
@@ -193,15 +194,20 @@ def shutdown(model: Any) -> None:
     entrypoint = getattr(model, "vllm_entrypoint", None)
     if entrypoint is None:
         return
-    engine = getattr(entrypoint, "llm_engine", None)
-    if engine is None:  # AsyncLLM
+    if getattr(entrypoint, "llm_engine", None) is None:  # AsyncLLM
         entrypoint.shutdown()
     else:
-        engine.engine_core.shutdown()
-        renderer = getattr(engine, "renderer", None)
-        if renderer is not None:
-            renderer.shutdown()
+        shutdown_llm(entrypoint)
     model.vllm_entrypoint = None
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut down the engine core and renderer behind a ``vllm.LLM`` (idempotent)."""
+    engine = llm.llm_engine
+    engine.engine_core.shutdown()
+    renderer = getattr(engine, "renderer", None)
+    if renderer is not None:
+        renderer.shutdown()
 
 
 def _define_worker_classes() -> None:
