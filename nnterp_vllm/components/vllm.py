@@ -53,6 +53,11 @@ class Flat(Value):
     def accept(self, host: Envoy, value: Any) -> Any:
         return flat(super().accept(host, value), self.name)
 
+    def with_added(self, output: Any, delta: torch.Tensor) -> Any:
+        """A raw output of the module this value is the output of, with ``delta`` (``[tokens, hidden]``)
+        added to the value; pure tensor code, so it runs inside vLLM's compiled graph."""
+        return self.put("output", output, self.pick("output", output, self.select) + delta, self.select)
+
 
 def tensor_parallel() -> tuple[int, int]:
     """``(world size, rank)`` of the tensor-parallel group this code runs in (inside a trace, on a worker)."""
@@ -164,6 +169,13 @@ class DualStream(Flat):
         else:
             hidden, residual = (_argument(raw, where) for where in select)
         return hidden if residual is None else hidden + residual
+
+    def with_added(self, output: Any, delta: torch.Tensor) -> Any:
+        """``(hidden, residual)`` with ``delta`` added to the stream: to the residual (or to ``hidden`` alone)."""
+        hidden, residual = output[0], output[1]
+        if residual is None:
+            return (hidden + delta, None, *output[2:])
+        return (hidden, residual + delta, *output[2:])
 
     def put(self, attribute: str, current: Any, part: Any, select: Any) -> Any:
         if attribute == "output":
