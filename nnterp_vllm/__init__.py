@@ -11,8 +11,11 @@ from typing import Any
 from .errors import UnavailableValue, UnsupportedFamily
 
 __all__ = [
+    "AsyncSteeredVLLM",
     "StandardizedTransformer",
     "StandardizedVLLM",
+    "SteeredVLLM",
+    "Steering",
     "UnavailableValue",
     "UnsupportedFamily",
     "harvest",
@@ -29,6 +32,14 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
+    if name == "Steering":
+        from .steering import Steering
+
+        return Steering
+    if name in ("SteeredVLLM", "AsyncSteeredVLLM"):
+        from .engines import steered
+
+        return getattr(steered, name)
     if name in ("harvest", "load_harvest"):
         import importlib
 

@@ -22,8 +22,8 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def layer_indices(layers: LayerSelection, num_layers: int, what: str) -> list[int]:
-    """``layers`` (an int or ints, negative counting from the end) as sorted distinct indices ``0..num_layers-1``."""
+def layer_list(layers: LayerSelection, what: str) -> list[int]:
+    """``layers`` (an int or ints) as a list, checked for type only: no model is needed."""
     if is_int(layers):
         chosen = [layers]
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes, torch.Tensor)):
@@ -32,6 +32,12 @@ def layer_indices(layers: LayerSelection, num_layers: int, what: str) -> list[in
         chosen = None
     if not chosen or not all(is_int(i) for i in chosen):
         raise ValueError(f"{what}: layers must be an int or a non-empty list of ints, got {layers!r}")
+    return chosen
+
+
+def layer_indices(layers: LayerSelection, num_layers: int, what: str) -> list[int]:
+    """``layers`` (an int or ints, negative counting from the end) as sorted distinct indices ``0..num_layers-1``."""
+    chosen = layer_list(layers, what)
     bad = [i for i in chosen if not -num_layers <= i < num_layers]
     if bad:
         raise ValueError(
@@ -42,13 +48,38 @@ def layer_indices(layers: LayerSelection, num_layers: int, what: str) -> list[in
 
 def hidden_vector(vector: Any, hidden_size: int, what: str, rows: bool = True) -> torch.Tensor:
     """``vector`` checked as a finite floating ``[hidden_size]`` tensor (or ``[n, hidden_size]`` where ``rows``)."""
+    _floating(vector, what)
+    if vector.shape[-1:] != (hidden_size,) or vector.dim() > (2 if rows else 1):
+        expected = f"[hidden_size] = [{hidden_size}]" + (f" (or [n, {hidden_size}])" if rows else "")
+        raise ValueError(f"{what}: the vector must have shape {expected}, got {list(vector.shape)}")
+    return _finite(vector, what)
+
+
+def one_vector(vector: Any, what: str) -> torch.Tensor:
+    """``vector`` (a tensor, or a list of real numbers taken as float32) checked as a finite floating 1-D
+    tensor; its width is checked against a model with `hidden_vector`."""
+    if isinstance(vector, (list, tuple)):
+        if not vector or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vector):
+            shown = repr(vector)[:80]
+            raise ValueError(f"{what}: the vector must be a torch.Tensor or a non-empty list of floats, got {shown}")
+        vector = torch.tensor(vector, dtype=torch.float32)
+    elif not isinstance(vector, torch.Tensor):
+        kind = type(vector).__name__
+        raise ValueError(f"{what}: the vector must be a torch.Tensor or a list of floats, got {kind}")
+    _floating(vector, what)
+    if vector.dim() != 1:
+        raise ValueError(f"{what}: the vector must have shape [hidden_size], got {list(vector.shape)}")
+    return _finite(vector, what)
+
+
+def _floating(vector: Any, what: str) -> None:
     if not isinstance(vector, torch.Tensor):
         raise ValueError(f"{what}: the vector must be a torch.Tensor, got {type(vector).__name__}")
     if not vector.is_floating_point():
         raise ValueError(f"{what}: the vector must have a floating dtype, got {vector.dtype}")
-    if vector.shape[-1:] != (hidden_size,) or vector.dim() > (2 if rows else 1):
-        expected = f"[hidden_size] = [{hidden_size}]" + (f" (or [n, {hidden_size}])" if rows else "")
-        raise ValueError(f"{what}: the vector must have shape {expected}, got {list(vector.shape)}")
+
+
+def _finite(vector: torch.Tensor, what: str) -> torch.Tensor:
     if not torch.isfinite(vector).all():
         raise ValueError(f"{what}: the vector holds NaN or inf values")
     return vector
@@ -99,6 +130,24 @@ def positions_within(chosen: int | slice | list[int], length: int, what: str) ->
             f"or -{length}..-1)"
         )
     return [i % length for i in listed]
+
+
+#: The position forms of a declarative steering spec that name a phase of the sequence.
+PHASES = ("all", "prompt", "generated")
+
+
+def phase_or_positions(chosen: Any, what: str) -> str | list[int]:
+    """``chosen`` as a steering spec's positions: a phase in `PHASES` or a non-empty list of prompt positions."""
+    if isinstance(chosen, str) and chosen in PHASES:
+        return chosen
+    if isinstance(chosen, Iterable) and not isinstance(chosen, (str, bytes, torch.Tensor)):
+        listed = list(chosen)
+        if listed and all(is_int(i) for i in listed):
+            return listed
+    raise ValueError(
+        f"{what}: positions must be 'all', 'prompt', 'generated' or a non-empty list of prompt positions "
+        f"(ints, negative counting from the prompt's end), got {chosen!r}"
+    )
 
 
 PROMPT_FORMS = "a string, a list of token ids, an integer tensor of token ids, or a tokenizer's output (input_ids)"

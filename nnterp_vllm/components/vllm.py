@@ -56,6 +56,11 @@ class Flat(Value):
     def accept(self, host: Envoy, value: Any) -> Any:
         return flat(super().accept(host, value), self.name)
 
+    def with_added(self, output: Any, delta: torch.Tensor) -> Any:
+        """A raw output of the module this value is the output of, with ``delta`` (``[tokens, hidden]``)
+        added to the value; pure tensor code, so it runs inside vLLM's compiled graph."""
+        return self.put("output", output, self.pick("output", output, self.select) + delta, self.select)
+
 
 class FlatScaled(Flat, Scaled):
     """A flat value times a factor (`Scaled`): what a block adds where it scales a sublayer's output first."""
@@ -288,6 +293,13 @@ class DualStream(Flat):
         else:
             hidden, residual = (_argument(raw, where) for where in select)
         return hidden if residual is None else hidden + residual
+
+    def with_added(self, output: Any, delta: torch.Tensor) -> Any:
+        """``(hidden, residual)`` with ``delta`` added to the stream: to the residual (or to ``hidden`` alone)."""
+        hidden, residual = output[0], output[1]
+        if residual is None:
+            return (hidden + delta, None, *output[2:])
+        return (hidden, residual + delta, *output[2:])
 
     def put(self, attribute: str, current: Any, part: Any, select: Any) -> Any:
         if attribute == "output":

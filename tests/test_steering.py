@@ -1,0 +1,382 @@
+"""SteeredVLLM on vLLM's CPU build: steering compiled into the engine equals the nnsight path and transformers.
+
+Per family (llama: the dual ``(hidden, residual)`` stream; gpt2: one tensor) the references come
+first, one engine at a time: plain vLLM, then `StandardizedVLLM` (nnsight), then `SteeredVLLM` is
+built for the tests. The engine is built small on purpose (16 sequences, 64 tokens a step, a KV
+cache of a few blocks), so one batch of 32 prompts joins and leaves mid-batch, prefills in chunks
+and is preempted.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import nnsight
+import pytest
+import tiny
+import torch
+from vllm import LLM, SamplingParams
+
+from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering, UnsupportedFamily
+from nnterp_vllm.engines.vllm_platform import shutdown_llm
+from nnterp_vllm.steering import per_prompt, specs_of
+
+STEPS = 16
+BLOCK = 32
+GREEDY = {"temperature": 0.0, "max_tokens": STEPS, "ignore_eos": True, "logprobs": 0}
+#: Logprobs of the same tokens on two engines, fp32 (fused kernels round differently).
+LOGPROB_TOLERANCE = {"atol": 2e-4, "rtol": 1e-4}
+SUBJECTS = ["The quick brown fox", "A cup of coffee", "Rome was built", "Quantum computers", "My favourite book"]
+
+
+def prompt_text(i: int) -> str:
+    """Prompts of 40 to 180 byte tokens: the long ones prefill in chunks of the engine's 64-token steps."""
+    words = f"{SUBJECTS[i % len(SUBJECTS)]} (note {i}) is"
+    return (words + " and so on,") * (1 + (i * 7) % 4) + " then"
+
+
+def cases(hidden_size: int) -> list[tuple[str, list[Steering] | None]]:
+    """32 prompts: 16 steered by 8 distinct vectors at several layers, factors and positions, 16 not."""
+    generator = torch.Generator().manual_seed(7)
+    vectors = [torch.randn(hidden_size, generator=generator) for _ in range(8)]
+    forms = [
+        [Steering(0, vectors[0], factor=2.0)],
+        [Steering([0, 2], vectors[1], factor=0.5)],
+        [Steering(1, vectors[2], factor=3.0, positions="prompt")],
+        [Steering(2, vectors[3], factor=2.0, positions="generated")],
+        [Steering(1, vectors[4], factor=-1.5, positions=[0, -1])],
+        [Steering(-2, vectors[5], factor=2.0, positions=[2])],
+        [Steering(0, vectors[6]), Steering(2, vectors[7], factor=3.0, positions=[-2])],
+        [Steering(1, vectors[0], positions="prompt"), Steering(1, vectors[3], factor=2.0, positions="generated")],
+    ]
+    steering = [forms[i // 2 % len(forms)] if i % 2 == 0 else None for i in range(32)]
+    return [(prompt_text(i), specs) for i, specs in enumerate(steering)]
+
+
+def engine_args(model_type: str) -> dict:
+    """A small engine: 16 sequences, 64-token steps, a KV cache of 24 blocks of 32 tokens (too few for them all)."""
+    config = tiny.config_kwargs(model_type)
+    kv_heads = config.get("num_key_value_heads", config.get("num_attention_heads", 4))
+    block_bytes = BLOCK * config["num_hidden_layers"] * 2 * kv_heads * 32 * 4
+    return {
+        "dtype": "float32",
+        "max_model_len": 256,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 64,
+        "block_size": BLOCK,
+        "kv_cache_memory_bytes": 24 * block_bytes,
+        "disable_log_stats": False,
+    }
+
+
+def greedy_generation(model, prompt: str, specs: list[Steering]) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logprobs with each spec applied by ``model.steer`` (the nnsight path).
+
+    Step 0 is the prompt; steps after it feed a generated token back in.
+    """
+    if isinstance(model, StandardizedVLLM):
+        settings = {"max_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
+    else:
+        settings = {"max_new_tokens": STEPS, "do_sample": False, "min_new_tokens": STEPS}
+    plan = sorted((layer % model.num_layers, index) for index, spec in enumerate(specs) for layer in spec.layers)
+    with model.generate(prompt, **settings) as tracer:
+        probabilities = nnsight.save([])
+        for step in tracer.iter[:STEPS]:
+            for layer, index in plan:
+                spec = specs[index]
+                phase = "prompt" if step == 0 else "generated"
+                if spec.positions in ("all", phase):
+                    model.steer(layer, spec.vector, spec.factor)
+                elif step == 0 and not isinstance(spec.positions, str):
+                    model.steer(layer, spec.vector, spec.factor, positions=spec.positions)
+            probabilities.append(model.next_token_probs)
+    rows = torch.cat([p.reshape(1, -1) for p in probabilities]).float()
+    tokens = rows.argmax(-1)
+    return tokens.tolist(), rows.gather(1, tokens[:, None])[:, 0].log()
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], torch.Tensor]:
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    return tokens, torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+
+
+def teacher_forced(model, prompt_ids: list[int], generated: list[int], add: torch.Tensor | None, positions: list[int]):
+    """One forward of prompt + generated tokens (each generated token fed in as it would be) with ``add``
+    steered into block 1's output at ``positions``: the logprobs of the generated tokens, and that output."""
+    with model.trace({"prompt_token_ids": prompt_ids + generated[:-1]}, max_tokens=1, temperature=0.0):
+        if add is not None:
+            model.steer(1, add, positions=positions)
+        stream = model.layers[1].layer_output.save()
+        logits = model.logits.save()
+    predicting = torch.log_softmax(logits[0, len(prompt_ids) - 1 :].float(), -1)
+    return predicting.gather(1, torch.tensor(generated)[:, None])[:, 0], stream[0]
+
+
+def metric(model: LLM, name: str) -> float:
+    return sum(m.value for m in model.get_metrics() if m.name == name)
+
+
+LONG_PROMPT = "Steering keys the prefix cache: " + "every block of these tokens. " * 5
+OTHER_LONG_PROMPT = "The reverse order shares nothing: " + "block after block of them. " * 5
+
+
+@pytest.fixture(scope="class", params=["llama", "gpt2"])
+def family(request):
+    """References on plain vLLM, the nnsight path and transformers, then the steered engine (shut down after)."""
+    model_type = request.param
+    path = tiny.checkpoint(model_type)
+    hf = StandardizedTransformer(path)
+    batch = cases(hf.hidden_size)
+    prompts = [prompt for prompt, _ in batch]
+
+    plain = LLM(str(path), **engine_args(model_type))
+    try:
+        plain_outputs = plain.generate(prompts + [LONG_PROMPT, OTHER_LONG_PROMPT], SamplingParams(**GREEDY))
+    finally:
+        shutdown_llm(plain)
+    plain = [tokens_and_logprobs(output) for output in plain_outputs]
+
+    nnsight_model = StandardizedVLLM(path, dtype="float32", dispatch=True, max_model_len=256)
+    try:
+        on_nnsight = {
+            i: greedy_generation(nnsight_model, prompt, specs) for i, (prompt, specs) in enumerate(batch) if specs
+        }
+        phases = phase_oracle(nnsight_model, hf.hidden_size)
+    finally:
+        nnsight_model.shutdown()
+
+    model = SteeredVLLM(path, **engine_args(model_type))
+    try:
+        yield SimpleNamespace(
+            model_type=model_type,
+            path=path,
+            model=model,
+            hf=hf,
+            batch=batch,
+            plain=plain,
+            on_nnsight=on_nnsight,
+            phases=phases,
+        )
+    finally:
+        model.shutdown()
+
+
+def phase_oracle(model: StandardizedVLLM, hidden_size: int) -> dict[str, SimpleNamespace]:
+    """Per phase (``"prompt"``, ``"generated"``): a spec, the nnsight path's greedy tokens with it, and one
+    forward over prompt + tokens with the vector added at that phase's positions, at the other phase's, or nowhere."""
+    vector = torch.randn(hidden_size, generator=torch.Generator().manual_seed(11)) * 2
+    found = {}
+    for phase, prompt in (("prompt", SUBJECTS[0]), ("generated", SUBJECTS[1])):
+        spec = Steering(1, vector, positions=phase)
+        tokens, _ = greedy_generation(model, prompt, [spec])
+        prompt_ids = model.tokenizer(prompt)["input_ids"]
+        prompt_positions = list(range(len(prompt_ids)))
+        generated_positions = list(range(len(prompt_ids), len(prompt_ids) + len(tokens) - 1))
+        own, other = (prompt_positions, generated_positions)[:: 1 if phase == "prompt" else -1]
+        found[phase] = SimpleNamespace(
+            prompt=prompt,
+            spec=spec,
+            tokens=tokens,
+            prompt_length=len(prompt_ids),
+            own=teacher_forced(model, prompt_ids, tokens, vector, own),
+            other=teacher_forced(model, prompt_ids, tokens, vector, other),
+            unsteered=teacher_forced(model, prompt_ids, tokens, None, []),
+        )
+    return found
+
+
+class TestSteeredVLLM:
+    def test_a_mixed_batch_equals_the_nnsight_path_and_transformers(self, family):
+        model, batch = family.model, family.batch
+        preemptions = metric(model, "vllm:num_preemptions")
+        outputs = model.generate([prompt for prompt, _ in batch], SamplingParams(**GREEDY), [s for _, s in batch])
+        preempted = metric(model, "vllm:num_preemptions") - preemptions
+        for i, ((prompt, specs), output) in enumerate(zip(batch, outputs)):
+            tokens, logprobs = tokens_and_logprobs(output)
+            plain_tokens, plain_logprobs = family.plain[i]
+            if specs is None:
+                assert tokens == plain_tokens, (i, prompt)
+                torch.testing.assert_close(logprobs, plain_logprobs, **LOGPROB_TOLERANCE)
+                continue
+            nnsight_tokens, nnsight_logprobs = family.on_nnsight[i]
+            hf_tokens, hf_logprobs = greedy_generation(family.hf, prompt, specs)
+            assert tokens == nnsight_tokens == hf_tokens, (i, specs)
+            torch.testing.assert_close(logprobs, nnsight_logprobs, **LOGPROB_TOLERANCE)
+            torch.testing.assert_close(logprobs, hf_logprobs, **LOGPROB_TOLERANCE)
+            assert not torch.allclose(logprobs, plain_logprobs, atol=1e-3), (i, "steering changed nothing")
+        assert preempted > 0, "the batch was meant to be preempted"
+        assert max(len(output.prompt_token_ids) for output in outputs) > 64 > 16  # chunked prefill; joins
+
+    def test_the_steering_runs_inside_the_compiled_graph(self, family):
+        model = family.model
+        assert model.llm_engine.vllm_config.compilation_config.mode.name != "NONE"
+        (before,) = model.steering_stats()
+        vector = torch.randn(family.hf.hidden_size, generator=torch.Generator().manual_seed(5))
+        for factor in (1.0, 2.0, 3.0):  # new vectors, new rows: the same compiled graph
+            model.generate(SUBJECTS[2], SamplingParams(**GREEDY), Steering(1, vector, factor=factor))
+        (after,) = model.steering_stats()
+        assert after["eager_calls"] == before["eager_calls"] == 0
+        assert after["compilation"] == before["compilation"]
+        assert after["dynamo_unique_graphs"] == before["dynamo_unique_graphs"]
+        assert after["row_writes"] >= before["row_writes"] + 3
+
+    def test_the_prefix_cache_is_keyed_by_the_steering(self, family):
+        model = family.model
+        params = SamplingParams(**{**GREEDY, "max_tokens": 8})
+        generator = torch.Generator().manual_seed(13)
+        first, second = (Steering(0, torch.randn(family.hf.hidden_size, generator=generator)) for _ in range(2))
+        plain_long, plain_other = (tokens[:8] for tokens, _ in family.plain[-2:])
+
+        def run(prompt, steering=None):
+            """Greedy tokens and prefix-cache hits (vLLM's counter, and the request's own count) of one request."""
+            hits = metric(model, "vllm:prefix_cache_hits")
+            (output,) = model.generate(prompt, params, steering)
+            assert metric(model, "vllm:prefix_cache_hits") - hits == output.num_cached_tokens
+            return list(output.outputs[0].token_ids), output.num_cached_tokens
+
+        blocks = {
+            prompt: len(model.get_tokenizer()(prompt)["input_ids"]) // BLOCK * BLOCK
+            for prompt in (LONG_PROMPT, OTHER_LONG_PROMPT)
+        }
+        shared, other_shared = blocks[LONG_PROMPT], blocks[OTHER_LONG_PROMPT]
+        steered, cached = run(LONG_PROMPT, first)
+        assert cached == 0
+        assert run(LONG_PROMPT) == (plain_long, 0)  # blocks computed under a vector are not shared unsteered
+        assert run(LONG_PROMPT) == (plain_long, shared)  # unsteered blocks are
+        assert run(LONG_PROMPT, first) == (steered, shared)  # and so are those of identical steering
+        other_steered, cached = run(LONG_PROMPT, second)
+        assert cached == 0 and other_steered != steered
+        assert run(OTHER_LONG_PROMPT) == (plain_other, 0)  # the reverse order: unsteered first
+        cold, cached = run(OTHER_LONG_PROMPT, first)
+        assert cached == 0 and cold != plain_other
+        assert run(OTHER_LONG_PROMPT, first) == (cold, other_shared)
+
+    @pytest.mark.parametrize("phase", ["prompt", "generated"])
+    def test_positions_steer_only_their_phase(self, family, phase):
+        oracle = family.phases[phase]
+        (output,) = family.model.generate(oracle.prompt, SamplingParams(**GREEDY), oracle.spec)
+        tokens, logprobs = tokens_and_logprobs(output)
+        assert tokens == oracle.tokens
+        # Read through StandardizedVLLM: the vector lands in the stream at the phase's positions only.
+        length = oracle.prompt_length
+        (own_logprobs, own_stream), (other_logprobs, _), (_, unsteered) = oracle.own, oracle.other, oracle.unsteered
+        added = (own_stream - unsteered).norm(dim=-1)
+        inside = torch.arange(len(added)) < length if phase == "prompt" else torch.arange(len(added)) >= length
+        assert (added[inside] > 1).all() and (added[~inside] < 1e-5).all()
+        # SteeredVLLM's logprobs are those of the stream steered at the phase's positions, not the other's.
+        torch.testing.assert_close(logprobs, own_logprobs, **LOGPROB_TOLERANCE)
+        assert not torch.allclose(logprobs, other_logprobs, atol=1e-3)
+
+    @pytest.mark.parametrize(
+        "make, message",
+        [
+            (lambda n: Steering("1", torch.zeros(n)), "layers must be an int"),
+            (lambda n: Steering(1, torch.zeros(n, dtype=torch.int64)), "floating dtype"),
+            (lambda n: Steering(1, torch.full((n,), float("nan"))), "NaN or inf"),
+            (lambda n: Steering(1, ["a"] * n), "a non-empty list of floats"),
+            (lambda n: Steering(1, torch.zeros(n), factor=float("inf")), "factor must be a finite number"),
+            (lambda n: Steering(1, torch.zeros(n), positions="decode"), "positions must be"),
+            (lambda n: [Steering(1, torch.zeros(7))], r"shape \[hidden_size\] = \[128\]"),
+            (lambda n: [Steering(9, torch.zeros(n))], r"layer\(s\) \[9\] do not exist.*num_layers=3"),
+            (lambda n: [Steering(1, torch.zeros(n), positions=[500])], r"position\(s\) \[500\] are outside"),
+            (
+                lambda n: [Steering(1, torch.ones(n), positions=p) for p in ("prompt", "generated", [0])],
+                "act on 3 distinct combinations",
+            ),
+        ],
+    )
+    def test_bad_specs_are_refused_before_the_engine_sees_them(self, family, make, message):
+        model, hidden_size = family.model, family.hf.hidden_size
+        requests = model.request_counter.counter
+        with pytest.raises(ValueError, match=message):
+            steering = make(hidden_size)  # what needs no model is refused as the spec is made
+            model.generate([SUBJECTS[0], SUBJECTS[1]], SamplingParams(**GREEDY), [None, steering])
+        assert model.request_counter.counter == requests
+        assert model.llm_engine.get_num_unfinished_requests() == 0
+        (output,) = model.generate(SUBJECTS[3], SamplingParams(**GREEDY))
+        assert len(output.outputs[0].token_ids) == STEPS
+
+    def test_a_rendered_prompt_without_tokens_is_refused(self, family):
+        spec = Steering(0, torch.zeros(family.hf.hidden_size))
+        with pytest.raises(ValueError, match="cannot steer a prompt of type 'embeds'"):
+            family.model.steered_request({"type": "embeds"}, SamplingParams(), [spec])
+
+
+def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
+    path = tiny.checkpoint("llama")
+    refused = [
+        ({"worker_cls": "my.Worker"}, "worker_cls is refused"),
+        ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
+        ({"steering_rows_per_request": 0}, "steering_rows_per_request must be an int >= 1"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            SteeredVLLM(path, **kwargs)
+    with pytest.raises(UnsupportedFamily, match="no vLLM family for model_type 'codegen'"):
+        SteeredVLLM(tiny.checkpoint("codegen"))
+
+
+def test_steering_for_generate_is_read_per_prompt_or_for_all():
+    one, two = (Steering(0, [1.0, 2.0]) for _ in range(2))
+    assert per_prompt(None, 3) == [[], [], []]
+    assert per_prompt(one, 2) == [[one], [one]]
+    assert per_prompt([one, two], 3) == [[one, two]] * 3  # a list of specs for every prompt
+    assert per_prompt([one, None, [one, two]], 3) == [[one], [], [one, two]]  # as long as the prompts: per prompt
+    with pytest.raises(TypeError, match="None, a Steering or a list of Steering"):
+        per_prompt({"layers": 0}, 2)
+
+
+def test_importing_the_spec_loads_no_vllm():
+    code = (
+        "import sys, torch\nfrom nnterp_vllm import Steering\nSteering(1, [0.5, 1.0], positions=[-1])\n"
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_async_generate_on_two_tensor_parallel_ranks(monkeypatch):
+    """AsyncSteeredVLLM (the serving engine) with tensor_parallel_size=2: every rank holds the vectors.
+
+    Eager (``enforce_eager``), so the two ranks need not compile: the compiled path is the one above,
+    and the steering operation is the same code either way."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from nnterp_vllm import AsyncSteeredVLLM
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    path = tiny.checkpoint("llama")
+    hf = StandardizedTransformer(path)
+    vector = torch.randn(hf.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+    requests = [
+        (SUBJECTS[0], [Steering(1, vector, positions="prompt"), Steering(2, vector, factor=-1.0)]),
+        (SUBJECTS[1], None),
+        (SUBJECTS[2], Steering([0, 2], vector, factor=0.5, positions=[-1])),
+    ]
+    arguments = AsyncEngineArgs(
+        model=str(path), dtype="float32", max_model_len=256, tensor_parallel_size=2, enforce_eager=True
+    )
+    engine = AsyncSteeredVLLM.from_engine_args(arguments)
+
+    async def one(i, prompt, steering):
+        async for output in engine.generate(prompt, SamplingParams(**GREEDY), f"request-{i}", steering=steering):
+            final = output
+        return final
+
+    async def all_requests():
+        return await asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
+
+    try:
+        outputs = asyncio.run(all_requests())
+    finally:
+        engine.shutdown()
+    for (prompt, steering), output in zip(requests, outputs):
+        tokens, logprobs = tokens_and_logprobs(output)
+        hf_tokens, hf_logprobs = greedy_generation(hf, prompt, specs_of(steering))
+        assert tokens == hf_tokens
+        torch.testing.assert_close(logprobs, hf_logprobs, **LOGPROB_TOLERANCE)
