@@ -316,7 +316,7 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
             SteeredVLLM(path, **kwargs)
-    with pytest.raises(UnsupportedFamily, match="no vLLM family for model_type 'codegen'"):
+    with pytest.raises(UnsupportedFamily, match="model_type 'codegen' is not served on vLLM: no vLLM architecture"):
         SteeredVLLM(tiny.checkpoint("codegen"))
 
 

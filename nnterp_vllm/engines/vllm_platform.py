@@ -217,10 +217,12 @@ def kv_bytes_per_token(config: Any, dtype: Any) -> int | None:
     """Bytes of KV cache one token takes: keys and values of every layer's key/value heads (``None`` when the
     config does not say its sizes in the usual way)."""
     text = config.get_text_config()
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    layers, heads, kv_heads, head_dim, hidden = (
+        _global_size(text, name)
+        for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+    )
+    kv_heads = kv_heads or heads
+    head_dim = head_dim or (hidden // heads if heads and hidden else None)
     if not all(isinstance(size, int) and size > 0 for size in (layers, kv_heads, head_dim)):
         return None
     if dtype in (None, "auto"):
@@ -228,6 +230,15 @@ def kv_bytes_per_token(config: Any, dtype: Any) -> int | None:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), torch.float32)
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _global_size(config: Any, name: str) -> Any:
+    """``config.name``, or ``None`` where the config lacks it or holds it per layer (a heterogeneous config
+    refuses global access to a size that varies across layers)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and kin
+        return None
 
 
 def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
