@@ -316,8 +316,8 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
             SteeredVLLM(path, **kwargs)
-    with pytest.raises(UnsupportedFamily, match="no vLLM family for model_type 'bloom'"):
-        SteeredVLLM(tiny.checkpoint("bloom"))
+    with pytest.raises(UnsupportedFamily, match="model_type 'codegen' is not served on vLLM: no vLLM architecture"):
+        SteeredVLLM(tiny.checkpoint("codegen"))
 
 
 def test_steering_for_generate_is_read_per_prompt_or_for_all():

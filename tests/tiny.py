@@ -52,6 +52,18 @@ for _module in sorted((Path(__file__).parent / "tiny_configs").glob("[!_]*.py"))
     OVERRIDES.update(_loaded.OVERRIDES)
     GROUPS[_module.stem] = sorted(_loaded.OVERRIDES)
 
+#: Per model_type: keys its tiny checkpoint takes in the vLLM tests, where vLLM's model code or a kernel of its CPU
+#: build takes less than transformers' config allows (the tests of that type run both engines on this checkpoint).
+VLLM_OVERRIDES: dict[str, dict[str, Any]] = {
+    # vLLM's Command-R and BLOOM unembed with their embedding whatever tie_word_embeddings says.
+    "cohere": {"tie_word_embeddings": True},
+    "bloom": {"tie_word_embeddings": True},
+    # vLLM's Falcon MLP is 4 * hidden_size wide whatever ffn_hidden_size says.
+    "falcon": {"ffn_hidden_size": 512},
+    # vLLM's StableLM runs the sequential block only, without per-head query/key norms.
+    "stablelm": {"qk_layernorm": False, "use_parallel_residual": False},
+}
+
 #: A checkpoint larger than this did not take the tiny sizes (its config spells them otherwise).
 MAX_PARAMETERS = 20_000_000
 
@@ -127,3 +139,8 @@ def checkpoint(model_type: str, seed: int = 0, **extra: Any) -> Path:
     tokenizer().save_pretrained(staging)
     staging.rename(path)
     return path
+
+
+def vllm_checkpoint(model_type: str) -> Path:
+    """The tiny ``model_type`` checkpoint both engines load in the vLLM tests (`VLLM_OVERRIDES` applied)."""
+    return checkpoint(model_type, **VLLM_OVERRIDES.get(model_type, {}))

@@ -10,6 +10,7 @@ the copy is written back when the worker moves on, as an assignment would be.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -18,9 +19,11 @@ from nnsight.intervention.envoy import Envoy
 
 from .attention import HeadOutputs
 from .layer import Layer as BaseLayer
+from .mixer import Mixer as BaseMixer
 from .mlp import Mlp as BaseMlp
+from .mlp import PerToken
 from .standard import Standard
-from .values import Delegate, Value, unavailable
+from .values import Delegate, Scaled, Value, unavailable
 
 FUSED = (
     "vLLM computes the attention pattern inside its fused attention kernel and never materializes it; "
@@ -57,6 +60,127 @@ class Flat(Value):
         """A raw output of the module this value is the output of, with ``delta`` (``[tokens, hidden]``)
         added to the value; pure tensor code, so it runs inside vLLM's compiled graph."""
         return self.put("output", output, self.pick("output", output, self.select) + delta, self.select)
+
+
+class FlatScaled(Flat, Scaled):
+    """A flat value times a factor (`Scaled`): what a block adds where it scales a sublayer's output first."""
+
+
+class _Part(Flat):
+    """One module output a `Summed` value adds up (read as a copy; nothing written back)."""
+
+    writes_back = False
+
+
+class Summed(Value):
+    """What a block adds as a sum it computes inline from module outputs, each times a factor: read-only.
+
+    ``parts`` are ``(key, scale)`` pairs, in forward order (or a function of the block returning them): a module
+    output relative to the block and the block attribute (or function of the block) holding its factor, or
+    ``None``. The sum is an expression in the block's forward that no module returns, so it can be read but not
+    written; write its parts' modules instead.
+    """
+
+    def __init__(self, *parts: Any, description: str = "", unavailable: Any = None) -> None:
+        super().__init__(description=description, unavailable=unavailable, writable=False)
+        self.parts = parts[0] if len(parts) == 1 and callable(parts[0]) else parts
+
+    def read(self, host: Envoy) -> Any:
+        self.check(host)
+        total = 0
+        for key, scale in self.parts(host) if callable(self.parts) else self.parts:
+            factor = 1 if scale is None else scale(host) if callable(scale) else getattr(host._module, scale)
+            total = total + _part(key).read(host) * factor
+        return total
+
+
+@functools.cache
+def _part(key: str) -> _Part:
+    part = _Part(key)
+    part.name = key
+    return part
+
+
+def one_prompt(value: Any, name: str) -> torch.Tensor:
+    """A written ``[1, seq, ...]`` tensor, as a copy; anything else is refused naming the shape wanted."""
+    return flat(value, name).unsqueeze(0)
+
+
+def on_transformers_backend(host: Envoy) -> bool:
+    """Whether the model runs on vLLM's Transformers backend: transformers' own modules, fed ``[1, tokens, ...]``.
+
+    vLLM serves an architecture it has no model code of its own for by running transformers' modules (with its
+    linears, norms and attention kernel swapped in) over the flat batch given a leading axis of one.
+    """
+    from vllm.model_executor.models.transformers.base import Base
+
+    return isinstance(host.root._module, Base)
+
+
+class Copied(Value):
+    """A value vLLM already holds as ``[1, tokens, ...]`` (a transformers module's, on the Transformers backend):
+    served as a copy, written back by assignment."""
+
+    writes_back = True
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        return super().serve(host, part.clone())
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        return one_prompt(super().accept(host, value), self.name)
+
+
+class Hidden(Flat):
+    """A value at a module around the blocks (the embeddings, the final norm): flat where vLLM runs its own model
+    code, ``[1, tokens, ...]`` where it runs transformers' modules on its Transformers backend."""
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        if on_transformers_backend(host):
+            return Value.serve(self, host, part.clone())
+        return super().serve(host, part)
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        if on_transformers_backend(host):
+            return one_prompt(Value.accept(self, host, value), self.name)
+        return super().accept(host, value)
+
+
+@functools.cache
+def _copied_class(kind: type) -> type:
+    cls = type(f"Copied{kind.__name__}", (Copied, kind), {"__module__": __name__})
+    globals()[cls.__name__] = cls  # found by name when a model pickles into vLLM's workers
+    return cls
+
+
+def _routed_in_kernel(mlp: Envoy) -> str | None:
+    """Why the backend serves no expert choice: it replaced the MoE block's routing with its fused kernel's."""
+    from vllm.model_executor.models.transformers.moe import TransformersMoERunner
+
+    experts = getattr(mlp._module, mlp.EXPERTS, None)
+    return None if experts is None or isinstance(experts, TransformersMoERunner) else FUSED_MOE
+
+
+def _either(first: Any, then: Any) -> Any:
+    return lambda host: (first(host) if callable(first) else first) or then(host)
+
+
+def copied(value: Value) -> Value:
+    """``value`` (a transformers family's) as served on the Transformers backend: the same location, read as a copy.
+
+    A routing value the MoE block holds as ``[tokens, ...]`` over the whole batch stays flat there, as on vLLM's
+    own model code; the expert choice is served where the backend leaves the routing to transformers' module, which
+    hands the choice to the experts (vLLM's kernel then runs them).
+    """
+    kind = type(value)
+    if issubclass(kind, Flat) or type(value).read is not Value.read:
+        return value  # already vLLM's, or computed from other values
+    cls = Flat if issubclass(kind, PerToken) else _copied_class(kind)
+    served = cls.__new__(cls)
+    property.__init__(served)
+    served.__dict__.update(value.__dict__)
+    if value.name in ("expert_indices", "expert_weights"):
+        served.unavailable = _either(value.unavailable, _routed_in_kernel)
+    return served
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -187,9 +311,12 @@ class DualStream(Flat):
 
 
 class Layer(Standard):
-    """A vLLM decoder block whose stream is one tensor (GPT-2)."""
+    """A vLLM decoder block whose stream is one tensor: its ``hidden_states`` argument in, its output (or the
+    output's first element, beside a residual the next block does not read) out (GPT-2, GPT-J, Cohere, StableLM)."""
 
-    layer_input = Flat("input", description="The residual stream entering the block [1, seq, hidden]")
+    layer_input = Argument(
+        "inputs", select=hidden_states_argument, description="The residual stream entering the block [1, seq, hidden]"
+    )
     layer_output = Flat("output", description="The residual stream leaving the block [1, seq, hidden]")
     attention_output = Delegate(
         "self_attn", "attention_output", description="What the attention sublayer adds to the residual stream"
@@ -223,8 +350,8 @@ class Attention(Standard):
 
     @property
     def output_projection(self) -> Envoy:
-        """The envoy of the output projection."""
-        return getattr(self, self.OUTPUT_PROJECTION)
+        """The envoy of the output projection (``OUTPUT_PROJECTION`` may be a dotted path)."""
+        return self.get(self.OUTPUT_PROJECTION)
 
     _projection_output = Flat("{self.OUTPUT_PROJECTION}.output")
 
@@ -278,11 +405,29 @@ for _name in ("attention_queries", "attention_keys", "attention_values"):
     getattr(Attention, _name).postprocess(heads_merged)
 
 
+class TransformersAttention(Attention):
+    """A transformers attention module on vLLM's Transformers backend: its own projections, around vLLM's kernel.
+
+    The backend hands the kernel (``attn``) flat queries, keys and values after rotary, as vLLM's own model code
+    does; the module's output and its output projection's are ``[1, tokens, hidden]``.
+    """
+
+    _projection_output = Copied("{self.OUTPUT_PROJECTION}.output")
+    attention_output = Copied("output", description=Attention.attention_output.description)
+    attention_input = Copied("input", description=Attention.attention_input.description)
+
+
 class Mlp(BaseMlp):
     """A vLLM dense MLP (no router); `SparseMlp` serves a mixture of experts."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
     mlp_input = Flat("input", description="The hidden states the MLP reads [1, seq, hidden]")
+
+
+class Mixer(BaseMixer):
+    """A vLLM token mixer other than attention (a mamba scan, a short convolution) in a block's ``mixer`` slot."""
+
+    mixer_output = Flat("output", description=BaseMixer.mixer_output.description)
 
 
 FUSED_MOE = (
@@ -305,7 +450,6 @@ class SparseMlp(Mlp):
 
     router_logits = Flat(
         "{self.ROUTER}.output",
-        select=0,
         description=BaseMlp.router_logits.description,
         unavailable=BaseMlp.router_logits.unavailable,
     )
@@ -313,4 +457,23 @@ class SparseMlp(Mlp):
     expert_weights = Value(description=BaseMlp.expert_weights.description, unavailable=_fused_choice)
 
 
-__all__ = ["FUSED", "FUSED_MOE", "Attention", "DualStream", "DualStreamLayer", "Flat", "Layer", "Mlp", "SparseMlp"]
+__all__ = [
+    "FUSED",
+    "FUSED_MOE",
+    "Argument",
+    "Attention",
+    "Copied",
+    "DualStream",
+    "DualStreamLayer",
+    "Flat",
+    "FlatScaled",
+    "Hidden",
+    "Layer",
+    "Mixer",
+    "Mlp",
+    "SparseMlp",
+    "Summed",
+    "TransformersAttention",
+    "copied",
+    "on_transformers_backend",
+]

@@ -20,7 +20,7 @@ from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 from .. import arguments, families, nnterp_options
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
-from ..components.vllm import Flat, flat, gathered
+from ..components.vllm import Flat, Hidden, flat, gathered
 from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
 from . import saving
@@ -121,8 +121,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
 
     ENGINE = families.VLLM
 
-    token_embeddings = Flat("embed_tokens.output", description=Standardized.token_embeddings.description)
-    final_norm_output = Flat("norm.output", description=Standardized.final_norm_output.description)
+    token_embeddings = Hidden("embed_tokens.output", description=Standardized.token_embeddings.description)
+    final_norm_output = Hidden("norm.output", description=Standardized.final_norm_output.description)
     input_ids = Flat("inputs", select="input_ids", description="The token ids of the prompt [1, seq]")
     attention_mask = Derived(
         lambda model: torch.ones_like(model.input_ids),

@@ -57,6 +57,7 @@ __all__ = [
     "is_cpu_platform",
     "shutdown",
     "shutdown_llm",
+    "transformers_classes_kept",
 ]
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,41 @@ def meta_moe_weights_unpacked() -> Iterator[None]:
         cpu_moe.cpu_prepack_moe_weight = prepack
 
 
+@contextlib.contextmanager
+def transformers_classes_kept() -> Iterator[None]:
+    """Give transformers' model classes back, on the way out, what vLLM's Transformers backend patched into them.
+
+    To run an architecture it has no code of its own for, vLLM builds transformers' own model and marks its
+    decoder class (``OlmoModel``, ...) for torch.compile by patching the class itself, for the whole process: its
+    ``__init__`` then asks for a current vLLM config, so the class no longer builds outside vLLM and a
+    `StandardizedTransformer` of the same architecture in the same process fails. The instances built inside the
+    block keep what the patch gave them (eager engines never compile them); the classes get their own attributes
+    back. The compile wrapper vLLM appends to their bases stays (its hooks refer to the instances built): every
+    name it defines is shadowed by ``torch.nn.Module``'s or unused outside vLLM.
+    """
+    from vllm.compilation import decorators
+
+    mark = decorators._support_torch_compile
+    marked: list[tuple[type, dict[str, Any]]] = []
+
+    def marking(cls: type, *args: Any, **kwargs: Any) -> type:
+        if cls.__module__.startswith("transformers."):
+            marked.append((cls, dict(vars(cls))))
+        return mark(cls, *args, **kwargs)
+
+    decorators._support_torch_compile = marking
+    try:
+        yield
+    finally:
+        decorators._support_torch_compile = mark
+        for cls, namespace in reversed(marked):
+            for name in set(vars(cls)) - set(namespace):
+                delattr(cls, name)
+            for name, value in namespace.items():
+                if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+                    setattr(cls, name, value)
+
+
 def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[str, Any]:
     """The keyword arguments to build an nnsight vLLM model with, on this platform.
 
@@ -181,10 +217,12 @@ def kv_bytes_per_token(config: Any, dtype: Any) -> int | None:
     """Bytes of KV cache one token takes: keys and values of every layer's key/value heads (``None`` when the
     config does not say its sizes in the usual way)."""
     text = config.get_text_config()
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    layers, heads, kv_heads, head_dim, hidden = (
+        _global_size(text, name)
+        for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+    )
+    kv_heads = kv_heads or heads
+    head_dim = head_dim or (hidden // heads if heads and hidden else None)
     if not all(isinstance(size, int) and size > 0 for size in (layers, kv_heads, head_dim)):
         return None
     if dtype in (None, "auto"):
@@ -192,6 +230,15 @@ def kv_bytes_per_token(config: Any, dtype: Any) -> int | None:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), torch.float32)
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _global_size(config: Any, name: str) -> Any:
+    """``config.name``, or ``None`` where the config lacks it or holds it per layer (a heterogeneous config
+    refuses global access to a size that varies across layers)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and kin
+        return None
 
 
 def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -253,8 +300,12 @@ class PlatformVLLM(VLLM):
         return CPU_WORKER_CLS if is_cpu_platform() else CUDA_WORKER_CLS
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
-        with accelerator_noop(), meta_moe_weights_unpacked():
+        with accelerator_noop(), meta_moe_weights_unpacked(), transformers_classes_kept():
             return super()._load_meta(repo_id, **kwargs)
+
+    def _load(self, repo_id: str, **kwargs: Any) -> Module:
+        with transformers_classes_kept():
+            return super()._load(repo_id, **kwargs)
 
 
 def shutdown(model: Any) -> None:

@@ -75,7 +75,8 @@ def lookup(model_type: str, engine: str | None = None) -> ModuleType:
     On transformers a type without a module warns and gets the `default` family; on vLLM
     there is no default and it raises `UnsupportedFamily`, as it does on both engines for a
     type refused with its reason (``_refused.REFUSED``: encoder-only and encoder-decoder types, and
-    architectures without one residual stream through one stack of blocks).
+    architectures without one residual stream through one stack of blocks; on vLLM also
+    ``vllm._refused.REFUSED``: types vLLM's CPU build has no architecture or kernel for, or serves otherwise).
     An error raised inside a family module while it imports is re-raised as it is.
     """
     engine = _engine(engine)
@@ -83,6 +84,14 @@ def lookup(model_type: str, engine: str | None = None) -> ModuleType:
         return REGISTRY[engine][model_type]
     if model_type in REFUSED:
         raise UnsupportedFamily(f"model_type {model_type!r} is not served: {REFUSED[model_type]}")
+    if engine == VLLM:
+        from .vllm._refused import REFUSED as REFUSED_ON_VLLM
+
+        if model_type in REFUSED_ON_VLLM:
+            raise UnsupportedFamily(
+                f"model_type {model_type!r} is not served on vLLM: {REFUSED_ON_VLLM[model_type]}. "
+                "Use StandardizedTransformer for this model"
+            )
     if engine == TRANSFORMERS and model_type in ALIASES:
         return lookup(ALIASES[model_type], engine)
     name = f"{_PACKAGES[engine]}.{module_name(model_type)}"
