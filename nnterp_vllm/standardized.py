@@ -9,9 +9,10 @@ of the same name overrides a size or ``project_on_vocab``.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 from . import arguments, families
 from .arguments import LayerSelection, Positions
 from .components import Derived, Layers, Standard, Value, values_of
+from .components.values import require_trace
+from .families._layouts import BLOCK_NORMS
 
 #: Family modules by name, for families handed in as module objects that no import can find.
 _FAMILIES: dict[str, Any] = {}
@@ -95,6 +98,30 @@ class Migration:
         return self if model is None else Indexed(model, self.value, self.child)
 
 
+class IndexedModules(Indexed):
+    """``model.attentions[i]``-style access to one module of every block; modules are not written."""
+
+    def __getitem__(self, layer: int) -> Any:
+        return getattr(self.model.layers[layer], self.name)
+
+    def __setitem__(self, layer: int, value: Any) -> None:
+        raise TypeError(
+            f"layers[{layer}].{self.name} is a module, which is not written; write one of its values "
+            f"(e.g. model.layers[{layer}].{self.name}.{self.child}) or its nnterp spelling"
+        )
+
+
+class ModuleMigration:
+    """An nnterp spelling, ``model.attentions[i]``, for one module of every block (``value``: its output's name)."""
+
+    def __init__(self, module: str, value: str) -> None:
+        self.module, self.value = module, value
+        self.__doc__ = f"``model.<this>[i]`` is the module ``model.layers[i].{module}``."
+
+    def __get__(self, model: Any, owner: Any = None) -> Any:
+        return self if model is None else IndexedModules(model, self.module, self.value)
+
+
 def _next_token_probs(model: Standardized) -> torch.Tensor:
     return torch.softmax(model.logits[:, -1, :].float(), dim=-1)
 
@@ -150,6 +177,10 @@ class Standardized:
     attentions_output = Migration("attention_output")
     mlps_output = Migration("mlp_output")
     attention_probabilities = Migration("attention_probabilities", child="self_attn")
+    attentions_input = Migration("attention_input", child="self_attn")
+    mlps_input = Migration("mlp_input", child="mlp")
+    attentions = ModuleMigration("self_attn", "attention_output")
+    mlps = ModuleMigration("mlp", "mlp_output")
 
     # -- loading --------------------------------------------------------------
 
@@ -167,6 +198,20 @@ class Standardized:
             )
         from transformers import AutoConfig
 
+        if os.path.isdir(expanded):
+            config_file = os.path.join(expanded, "config.json")
+            if not os.path.isfile(config_file):
+                raise FileNotFoundError(
+                    f"checkpoint directory {path!r} has no config.json; a checkpoint directory holds the "
+                    "config.json and weights that `save_pretrained` writes"
+                )
+            try:
+                with open(config_file) as handle:
+                    json.load(handle)
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ValueError(
+                    f"{config_file} is not valid JSON ({error}); restore it or save the model again"
+                ) from None
         try:
             return AutoConfig.from_pretrained(expanded, revision=revision, trust_remote_code=trust_remote_code)
         except OSError as error:
@@ -185,14 +230,15 @@ class Standardized:
     ) -> dict[str, dict]:
         """Read the config, settle the family, and merge the ``rename``/``envoys`` maps nnsight gets.
 
-        Later keys win: the engine's base envoys (tensor-parallel ones on a sharded load), then
-        the family's, then the caller's.
+        Later keys win: for ``rename`` the block-norm spellings every family shares (`BLOCK_NORMS`), then
+        the family's, then the caller's, and the final norm answers to ``ln_final`` too; for ``envoys``
+        the engine's base envoys (tensor-parallel ones on a sharded load), then the family's, then the caller's.
         """
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         family = family or families.lookup(self._model_type(config), engine=self.ENGINE)
         self._serve_with(family)
         return {
-            "rename": {**_with_nested_text_model(family.RENAME), **(rename or {})},
+            "rename": standard_rename(family, rename),
             "envoys": {**base_envoys, "layers": Layers, **family.ENVOYS, **(envoys or {})},
         }
 
@@ -226,43 +272,88 @@ class Standardized:
     # -- methods --------------------------------------------------------------
 
     def steer(
-        self, layers: LayerSelection, vector: torch.Tensor, factor: float = 1.0, positions: Positions = None
+        self,
+        layers: LayerSelection,
+        vector: torch.Tensor | None = None,
+        factor: float = 1.0,
+        positions: Positions = None,
+        token_positions: Positions = None,
+        batch_index: int | Iterable[int] | None = None,
+        *,
+        steering_vector: torch.Tensor | None = None,
     ) -> None:
         """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions`` (all by default).
 
         ``vector`` is ``[hidden_size]``, or ``[n, hidden_size]`` with one row per selected position.
-        Call inside a trace or generate, before the first steered layer runs. The arguments
-        are checked before anything is read from the model; positions against the prompt's length.
+        ``batch_index`` steers only those rows of the invoke's batch (all by default; on vLLM an invoke
+        holds one prompt). nnterp's spellings name the same arguments: ``steering_vector=`` is ``vector``,
+        ``token_positions=`` is ``positions``. Call inside a trace or generate, before the first steered
+        layer runs. The arguments are checked before anything is read from the model; positions and
+        batch rows against the invoke's prompt.
         """
+        require_trace("steer")
+        vector = _one_spelling("steer", ("vector", vector), ("steering_vector", steering_vector), required=True)
+        chosen = _one_spelling("steer", ("positions", positions), ("token_positions", token_positions))
         indices = arguments.layer_indices(layers, self.num_layers, "steer")
         vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
         factor = arguments.finite_number(factor, "steer")
-        where = arguments.positions(positions, "steer")
+        where = arguments.positions(_listed(chosen), "steer")
+        batch = _batch_rows(_listed(batch_index))
 
         def add(stream: torch.Tensor) -> torch.Tensor:
             selected = arguments.positions_within(where, stream.shape[1], "steer")
+            rows = _batch_rows_within(batch, stream.shape[0])
             if vector.dim() == 2 and vector.shape[0] not in (1, len(selected)):
                 raise ValueError(
                     f"steer: a [n, hidden_size] vector needs one row per steered position; it has "
                     f"{vector.shape[0]} rows for {len(selected)} positions"
                 )
             stream = stream.clone()
-            stream[:, selected] += factor * vector.to(device=stream.device, dtype=stream.dtype)
+            at = (torch.tensor(rows)[:, None], torch.tensor(selected))
+            stream[at] += factor * vector.to(device=stream.device, dtype=stream.dtype)
             return stream
 
         for index in indices:
             block = self.layers[index]
             type(block).layer_output.update(block, add)
 
-    def skip_layers(self, start: int, end: int | None = None) -> None:
-        """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace."""
+    def skip_layers(
+        self,
+        start: int,
+        end: int | None = None,
+        skip_with: torch.Tensor | None = None,
+        layer_returns_tuple: bool | None = None,
+    ) -> None:
+        """Make blocks ``start..end`` (inclusive) hand their input on unchanged. Call inside a trace.
+
+        ``skip_with`` (nnterp's option): the residual stream the skipped blocks hand on instead.
+        ``layer_returns_tuple`` is accepted from nnterp code and changes nothing (``layer_output`` is a tensor).
+        """
+        require_trace("skip_layers")
         end = start if end is None else end
         first, last = (arguments.layer_indices(index, self.num_layers, "skip_layers")[0] for index in (start, end))
         if first > last:
             raise ValueError(f"skip_layers: start ({start}) must not come after end ({end})")
         for index in range(first, last + 1):
             block = self.layers[index]
-            block.layer_output = block.layer_input.clone()
+            block.layer_output = block.layer_input.clone() if skip_with is None else skip_with
+
+    def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
+        """nnterp's spelling of ``skip_layers(layer, layer, skip_with)``."""
+        self.skip_layers(layer, layer, skip_with)
+
+    def detect_layer_output_type(self) -> None:
+        """nnterp's step before ``skip_layers``; nothing to detect here (``layer_output`` is always a tensor)."""
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        """The wrapped torch module, under the name nnsight gave it before 0.8 (nnterp code reads ``model._model``)."""
+        return self._module
+
+    @property
+    def attn_probs_available(self) -> bool:
+        """nnterp's spelling: whether every block serves its attention pattern (``support()`` says why not)."""
+        return self.support().get("self_attn.attention_probabilities", "no attention") is None
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for a residual-stream state: the final norm, the head, and whatever the family does after it.
@@ -315,12 +406,70 @@ class Standardized:
         if isinstance(position, bool) or not isinstance(position, int):
             raise ValueError(f"logit_lens: position must be an int, got {position!r}")
         with self.trace(prompts):
-            per_layer = [
-                torch.softmax(self.project_on_vocab(block.layer_output[:, position]).float(), dim=-1)
-                for block in self.layers
-            ]
+            per_layer = []
+            for block in self.layers:
+                stream = block.layer_output
+                (at,) = arguments.positions_within(position, stream.shape[1], "logit_lens")
+                per_layer.append(torch.softmax(self.project_on_vocab(stream[:, at]).float(), dim=-1))
             probabilities = torch.stack(per_layer, dim=1).save()
         return probabilities
+
+
+def _one_spelling(what: str, ours: tuple[str, Any], nnterps: tuple[str, Any], required: bool = False) -> Any:
+    """The argument given under our name or nnterp's (never both), e.g. ``vector`` / ``steering_vector``."""
+    (name, value), (other, other_value) = ours, nnterps
+    if value is not None and other_value is not None:
+        raise ValueError(f"{what}: {name}= and {other}= are two spellings of one argument; give one, not both")
+    if required and value is None and other_value is None:
+        raise TypeError(f"{what}: missing the {name} argument (nnterp spells it {other}=)")
+    return other_value if value is None else value
+
+
+def _listed(chosen: Any) -> Any:
+    """A tensor of indices (as nnterp code passes them) as an int or a list of ints; anything else as it is."""
+    return chosen.tolist() if isinstance(chosen, torch.Tensor) else chosen
+
+
+def _batch_rows(chosen: Any) -> list[int] | None:
+    """``batch_index`` as a list of ints, ``None`` for every row; refuses anything else."""
+    if chosen is None:
+        return None
+    rows = [chosen] if arguments.is_int(chosen) else chosen
+    if isinstance(rows, Iterable) and not isinstance(rows, (str, bytes)):
+        rows = list(rows)
+        if rows and all(arguments.is_int(row) for row in rows):
+            return rows
+    raise ValueError(f"steer: batch_index must be None, an int or a non-empty list of ints, got {chosen!r}")
+
+
+def _batch_rows_within(rows: list[int] | None, size: int) -> list[int]:
+    """The rows of an invoke's batch of ``size`` prompts that ``rows`` selects (all where ``None``)."""
+    if rows is None:
+        return list(range(size))
+    bad = [row for row in rows if not -size <= row < size]
+    if bad:
+        raise ValueError(
+            f"steer: batch_index {bad} is outside the invoke's batch of {size} prompt(s) (valid: 0..{size - 1}); "
+            "on vLLM an invoke holds one prompt"
+        )
+    return [row % size for row in rows]
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest input the config says the model takes, or ``None`` where it names no limit."""
+    config = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def standard_rename(family: Any, rename: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``rename`` map nnsight gets for a model ``family`` serves: the block-norm spellings every family
+    shares, then the family's, then the caller's ``rename``; the final norm answers to ``ln_final`` too."""
+    names = {**BLOCK_NORMS, **_with_nested_text_model(family.RENAME), **(rename or {})}
+    return _with_final_norm_alias(names)
 
 
 #: Where a multimodal model (``...ForConditionalGeneration``) keeps its text model: ``model.language_model``.
@@ -339,6 +488,24 @@ def _with_nested_text_model(rename: dict[str, str]) -> dict[str, str]:
         if isinstance(path, str) and path.startswith("model.")
     }
     return {**rename, **nested}
+
+
+#: What nnterp users call the final norm, besides ``norm``.
+FINAL_NORM_ALIAS = "ln_final"
+
+
+def _with_final_norm_alias(rename: dict[str, Any]) -> dict[str, Any]:
+    """``rename`` with the module aliased ``norm`` also answering to `FINAL_NORM_ALIAS`, at the root and,
+    as nnterp names it, where it sits (``model.model.ln_final`` beside ``model.model.norm``)."""
+    aliased = {}
+    for path, names in rename.items():
+        names = [names] if isinstance(names, str) else list(names)
+        if "norm" in names:
+            names.append(FINAL_NORM_ALIAS)
+            if isinstance(path, str) and "." in path and "*" not in path:
+                names.append(f"{path.rpartition('.')[0]}.{FINAL_NORM_ALIAS}")
+        aliased[path] = names
+    return aliased
 
 
 def family_gaps(cls: type) -> type:

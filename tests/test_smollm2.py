@@ -1,12 +1,14 @@
-"""Real weights: the prepared SmolLM2-135M checkpoint, against plain transformers."""
+"""Real weights: the prepared SmolLM2-135M checkpoint, against plain transformers, and as users load it on vLLM."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nnterp_vllm import StandardizedTransformer
+from nnterp_vllm import StandardizedTransformer, StandardizedVLLM
 from nnterp_vllm.checkpoints import smollm2
 
 PROMPT = "The Eiffel Tower is in the city of"
@@ -50,3 +52,15 @@ def test_values_equal_plain_transformers(model, expected):
     torch.testing.assert_close(final, expected.hidden_states[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, expected.logits, atol=1e-4, rtol=1e-4)
     assert model.num_layers == 30 and model.hidden_size == 576 and model.num_kv_heads == 3
+
+
+def test_loads_on_vllm_without_any_kv_arithmetic(path):
+    on_vllm = StandardizedVLLM(path, dtype="float32")
+    try:
+        with on_vllm.trace("The Eiffel Tower is in the city of"):
+            logits = on_vllm.logits.save()
+        assert on_vllm.tokenizer.decode(logits[0, -1].argmax()) == " Paris"
+        config = json.loads((path / "config.json").read_text())
+        assert on_vllm.vllm_entrypoint.llm_engine.model_config.max_model_len == config["max_position_embeddings"]
+    finally:
+        on_vllm.shutdown()

@@ -58,6 +58,11 @@ class HeadOutputs(Value):
 
     def __set__(self, host: Envoy, value: Any) -> None:
         self.check(host)
+        if not isinstance(value, torch.Tensor) or value.dim() != 4:
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"{host.path}.attention_head_outputs: write a [batch, seq, heads, hidden] tensor, got {shape}"
+            )
         host._projection_output = value.sum(dim=2) + projection_bias(host)
 
 
@@ -121,6 +126,8 @@ class Attention(Standard):
     def attention_output(self, value: Any) -> Any:
         """The attention module's output, a tensor even when the module returns a tuple."""
         return value
+
+    attention_input = Value("input", description="The hidden states the attention module reads [batch, seq, hidden]")
 
     attention_queries = interior(
         "source.{self.INTERFACE}.inputs",

@@ -77,6 +77,8 @@ class Mlp(Standard):
         """The MLP's contribution to the residual stream."""
         return value
 
+    mlp_input = Value("input", description="The hidden states the MLP reads [batch, seq, hidden]")
+
     router_logits = PerToken(
         "{self.ROUTER}.output",
         select=lambda mlp: mlp.ROUTER_LOGITS,

@@ -43,6 +43,8 @@ class Layers(Envoy):
     """The block container (``model.layers``): indexing past the end names the number of layers."""
 
     def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, bool) or not isinstance(key, (int, slice)):
+            raise TypeError(f"layers are indexed by an int or a slice, got {type(key).__name__} {key!r}")
         if isinstance(key, int):
             count = len(self._module)
             if not -count <= key < count:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+from greenlet import getcurrent
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator
@@ -88,7 +90,8 @@ class Value(eproperty):
         return self.unavailable
 
     def check(self, host: Envoy) -> None:
-        """Raise `UnavailableValue` when this value is not available on ``host``."""
+        """Raise `UnavailableValue` when this value is not available on ``host``, and a `ValueError`
+        naming the fix when it is used outside a trace."""
         try:
             reason = self.reason(host)
         except AttributeError as error:  # never let it fall through to Envoy.__getattr__
@@ -96,6 +99,7 @@ class Value(eproperty):
         if reason:
             family = getattr(type(host), "__module__", "?").rsplit(".", 1)[-1]
             raise UnavailableValue(f"{self.name} is not available on {host.path} (family {family!r}): {reason}")
+        require_trace(f"{host.path}.{self.name}")
 
     # -- location -------------------------------------------------------------
 
@@ -220,12 +224,43 @@ class Value(eproperty):
         if not self.writable:
             raise AttributeError(f"{self.name} is read-only: it is derived from other values; write those instead")
         self.check(host)
-        value = self.accept(host, value)
         location, attribute = self.locate(host)
         select = self.selection(host)
-        if attribute == "input" or select is not WHOLE:
-            value = self.put(attribute, Mediator.value(location), value, select)
-        Mediator.swap(location, value)
+        raw = Mediator.value(location)
+        value = conform(f"{host.path}.{self.name}", value, self.serve(host, self.pick(attribute, raw, select)))
+        Mediator.swap(location, self.put(attribute, raw, self.accept(host, value), select))
+
+
+def require_trace(what: str) -> None:
+    """Refuse, naming the fix, when ``what`` is used outside a running trace."""
+    if getattr(getcurrent(), "mediator", None) is None:
+        raise ValueError(
+            f"{what} is only served inside a trace: use it in the body of `with model.trace(prompt):` "
+            "(or `with model.generate(prompt, ...):`)"
+        )
+
+
+def conform(what: str, value: Any, current: Any) -> Any:
+    """``value``, written in place of ``current``, checked to be a tensor of its shape and cast to its dtype.
+
+    Raises ``ValueError`` naming the value, the shape given and the shape expected, before the
+    model sees anything.
+    """
+    if not isinstance(current, torch.Tensor):
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{what}: write a tensor of shape {list(current.shape)}, got {type(value).__name__} "
+            "(edit in place, e.g. `value[:] = 0`, or assign a tensor)"
+        )
+    if value.shape != current.shape:
+        raise ValueError(
+            f"{what}: the assigned tensor has shape {list(value.shape)}; it must have the value's shape "
+            f"{list(current.shape)}"
+        )
+    if not torch.can_cast(value.dtype, current.dtype):
+        raise ValueError(f"{what}: a {value.dtype} tensor cannot be written into a {current.dtype} value")
+    return value.to(device=current.device, dtype=current.dtype)
 
 
 def unavailable(reason: str) -> Value:

@@ -108,10 +108,26 @@ def heads_merged(host: Envoy, value: torch.Tensor) -> torch.Tensor:
     return value.transpose(1, 2).reshape(*value.shape[:1], value.shape[2], -1)
 
 
+def forward_parameters(envoy: Envoy) -> list[str]:
+    """The names of the parameters of an envoy's module's forward, in order (``self`` left out)."""
+    return [name for name in inspect.signature(type(envoy._module).forward).parameters if name != "self"]
+
+
 def stream_arguments(layer: Envoy) -> tuple[tuple[int, str], tuple[int, str]]:
     """Where a block's forward takes ``hidden_states`` and ``residual``: ``((position, name), ...)``."""
-    names = [name for name in inspect.signature(type(layer._module).forward).parameters if name != "self"]
+    names = forward_parameters(layer)
     return tuple((names.index(name), name) for name in ("hidden_states", "residual"))
+
+
+def hidden_states_argument(envoy: Envoy) -> tuple[int, str]:
+    """Where a module's forward takes ``hidden_states``: ``(position, name)``."""
+    return forward_parameters(envoy).index("hidden_states"), "hidden_states"
+
+
+def _no_hidden_states(envoy: Envoy) -> str | None:
+    if "hidden_states" not in forward_parameters(envoy):
+        return f"{type(envoy._module).__name__}.forward takes no hidden_states argument"
+    return None
 
 
 def _argument(call: tuple, where: tuple[int, str]) -> Any:
@@ -126,6 +142,17 @@ def _with_argument(call: tuple, where: tuple[int, str], value: Any) -> tuple:
     if position < len(args):
         return (*args[:position], value, *args[position + 1 :]), kwargs
     return args, {**kwargs, name: value}
+
+
+class Argument(Flat):
+    """One argument of a module's call, where ``select`` (``(position, name)``) says it is passed by
+    position or by name."""
+
+    def pick(self, attribute: str, raw: Any, select: Any) -> Any:
+        return _argument(raw, select)
+
+    def put(self, attribute: str, current: Any, part: Any, select: Any) -> Any:
+        return _with_argument(current, select, part)
 
 
 class DualStream(Flat):
@@ -202,6 +229,12 @@ class Attention(Standard):
     _projection_output = Flat("{self.OUTPUT_PROJECTION}.output")
 
     attention_output = Flat("output", description="The attention module's output [1, seq, hidden]")
+    attention_input = Argument(
+        "inputs",
+        select=hidden_states_argument,
+        description="The hidden states the attention module reads [1, seq, hidden]",
+        unavailable=_no_hidden_states,
+    )
 
     @Heads("{self.KERNEL}.inputs", select=0, description="Queries after rotary [1, heads, seq, head_dim]")
     def attention_queries(self, value: Any) -> Any:
@@ -249,6 +282,7 @@ class Mlp(BaseMlp):
     """A vLLM dense MLP (no router); `SparseMlp` serves a mixture of experts."""
 
     mlp_output = Flat("output", description="What the MLP adds to the residual stream [1, seq, hidden]")
+    mlp_input = Flat("input", description="The hidden states the MLP reads [1, seq, hidden]")
 
 
 FUSED_MOE = (

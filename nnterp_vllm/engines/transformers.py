@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from nnsight import TransformersModel
 
-from .. import families
+from .. import arguments, families, nnterp_options
 from ..families import default
-from ..standardized import Standardized
+from ..standardized import Standardized, max_positions
+from . import saving
+from .tracing import Tracer
 
 
 class StandardizedTransformer(Standardized, TransformersModel):
@@ -23,7 +25,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
             ``attn_implementation="eager"`` (so the attention pattern exists) and
-            ``task="text-generation"`` (so nothing asks the hub for it).
+            ``task="text-generation"`` (so nothing asks the hub for it). nnterp's options
+            (``enable_attention_probs``, ``check_renaming``, ``rename_config``, ``tokenizer_kwargs``, ...)
+            are taken with their meaning or refused with the reason (`nnterp_options.take`).
 
     Example::
 
@@ -46,8 +50,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
     ) -> None:
         from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
 
+        nnterp = nnterp_options.take(kwargs, self.ENGINE)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
-        maps = self._maps(checkpoint, family, rename, envoys, kwargs, base)
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
             checkpoint = str(checkpoint)
@@ -55,3 +60,28 @@ class StandardizedTransformer(Standardized, TransformersModel):
         super().__init__(checkpoint, **maps, **kwargs)
         if self.family is default:
             default.check(self)
+        nnterp.apply(self)
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("tracer_cls", Tracer)
+        return super().trace(*inputs, **kwargs)
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        if inputs:
+            arguments.prompt(inputs[0], self.vocab_size, "trace", batched=True)
+        return super()._batch_size(*inputs, **kwargs)
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        batched = super()._batch(invokes, fn)
+        forward = batched[1] if len(batched) == 2 and isinstance(batched[1], dict) else {}
+        ids = forward.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            arguments.prompt_length(ids.shape[-1], max_positions(self.config), "trace")
+        return batched
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        mediators = list(self.interleaver.mediators)
+        try:
+            return super().interleave(fn, *args, **kwargs)
+        finally:
+            saving.hand_back(mediators)

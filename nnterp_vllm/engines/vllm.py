@@ -13,13 +13,55 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.errors import raise_deferred as raise_as_nnsight
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
+from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 
-from .. import families
+from .. import arguments, families, nnterp_options
 from ..components import WHOLE, Derived, Value, first_tensor
+from ..components.values import conform
 from ..components.vllm import Flat, flat, gathered
+from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
+from . import saving
+from .tracing import OneAtATime
 from .vllm_platform import PlatformVLLM, shutdown
+
+
+class VLLMTracer(OneAtATime, NNsightVLLMTracer):
+    """nnsight's vLLM tracer, one trace at a time per model."""
+
+
+#: Errors a trace body raises that reach the user with their own class and message, as on transformers
+#: (nnsight carries an error out of the engine as a RuntimeError naming the original type).
+RAISED_AS_THEMSELVES = {
+    error.__name__: error
+    for error in (
+        ValueError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        NotImplementedError,
+        UnavailableValue,
+        UnsupportedFamily,
+        OutOfOrderError,
+    )
+}
+
+
+def raise_deferred(error: dict | None) -> None:
+    """Re-raise an error a request's trace body raised in the engine: as itself where it is one of
+    `RAISED_AS_THEMSELVES` (the engine-side traceback as a note), else as nnsight does."""
+    if not error or error.get("is_control_flow"):
+        return
+    kind = RAISED_AS_THEMSELVES.get(error.get("type_name", ""))
+    if kind is None:
+        raise_as_nnsight(error)
+        return
+    raised = kind(error.get("message", ""))
+    if error.get("traceback"):
+        raised.add_note("Intervention traceback (in the engine):\n" + error["traceback"].rstrip())
+    raise raised
 
 
 class Logits(Derived):
@@ -38,8 +80,24 @@ class Logits(Derived):
 
     def __set__(self, model: Any, value: Any) -> None:
         self.check(model)
+        location = f"{model.path}.logits"
+        sampled = Mediator.value(location)
         last = flat(value, "logits")[-1:]
-        Mediator.swap(f"{model.path}.logits", last)
+        Mediator.swap(location, conform(f"{model.path}.logits (its last position)", last, sampled))
+
+
+#: New tokens a generation makes unless told (vLLM's own default).
+GENERATED_TOKENS = 16
+
+
+def _as_transformers(kwargs: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Sampling settings with transformers' defaults where the caller named none: greedy, ``tokens`` new tokens."""
+    kwargs = dict(kwargs)
+    if not {"max_tokens", "max_new_tokens"} & kwargs.keys():
+        kwargs["max_tokens"] = tokens
+    if not {"temperature", "do_sample"} & kwargs.keys():
+        kwargs["temperature"] = 0.0
+    return kwargs
 
 
 @family_gaps
@@ -54,6 +112,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
             On vLLM's CPU build the KV cache defaults to 64 MiB. Prefix caching is refused: it
             would share KV state computed under one request's intervention with other requests.
+            nnterp's options are taken with their meaning or refused with the reason (`nnterp_options.take`;
+            ``enable_attention_probs=True`` is refused: vLLM never materializes the pattern).
 
     Sampling settings go to ``trace``/``generate`` as vLLM's (``max_tokens``, ``temperature``) or
     as transformers' (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``).
@@ -94,9 +154,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             )
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        maps = self._maps(checkpoint, family, rename, envoys, kwargs, parallel_envoys())
+        nnterp = nnterp_options.take(kwargs, self.ENGINE)
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys())
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         super().__init__(str(checkpoint), **maps, **kwargs)
+        nnterp.apply(self)
 
     @staticmethod
     def _sampling_kwargs(kwargs: dict) -> dict:
@@ -107,6 +169,53 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         if "min_new_tokens" in kwargs:
             kwargs.setdefault("min_tokens", kwargs.pop("min_new_tokens"))
         return kwargs
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        """A trace, as on transformers: one forward pass over the prompt (one greedy token sampled) unless
+        sampling settings say otherwise."""
+        kwargs.setdefault("tracer_cls", VLLMTracer)
+        return super().trace(*inputs, **_as_transformers(kwargs, tokens=1))
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Generation, greedy unless ``temperature``/``do_sample`` say otherwise, as transformers' defaults are;
+        ``GENERATED_TOKENS`` new tokens unless ``max_new_tokens``/``max_tokens`` say otherwise."""
+        from nnsight.tracing.tracer import WithBlockNotFoundError
+
+        kwargs = _as_transformers(kwargs, tokens=GENERATED_TOKENS)
+        tracer = self.trace(*inputs, **kwargs)
+        try:
+            # nnsight's test for a `with` block at the caller (read two frames up, so it stays here).
+            tracer.capture()
+        except WithBlockNotFoundError:
+            return self._generate(*inputs, **kwargs)
+        return tracer
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        if inputs:
+            arguments.prompt(inputs[0], self.vocab_size, "invoke", batched=False)
+        return super()._batch_size(*inputs, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            return super()._call(*args, **kwargs)
+        except VLLMValidationError as error:  # refused before any request ran (vLLM aborts what it added)
+            raise ValueError(f"invoke: {error}") from None
+
+    @staticmethod
+    def _collect(mediators: list, outputs: list) -> None:
+        """nnsight's collect, with containers filled in place and the library's errors raised as themselves."""
+        saving.fill_from_outputs(mediators, outputs)
+        errors = [getattr(output, "nnsight_error", None) for output in outputs]
+        for output in outputs:
+            output.nnsight_error = None
+        try:
+            PlatformVLLM._collect(mediators, outputs)
+        finally:
+            saving.hand_back(mediators)
+        for error in errors:
+            raise_deferred(error)
 
     def shutdown(self) -> None:
         """Stop the engine behind this model (idempotent); another can then be built in this process."""

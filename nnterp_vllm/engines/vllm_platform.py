@@ -23,7 +23,9 @@ kwarg given to nnsight's ``VLLM(...)`` reaches ``vllm.LLM`` twice and raises ``T
 multiple values for keyword argument 'worker_cls'``. The worker therefore travels as a class
 attribute: :class:`PlatformVLLM` is nnsight's ``VLLM`` with ``_WORKER_CLS`` pointing at
 :data:`CPU_WORKER_CLS` on the CPU platform, the meta build wrapped in :func:`accelerator_noop`, and
-:func:`engine_kwargs`'s CPU defaults applied. On CUDA it is nnsight's ``VLLM`` unchanged.
+:func:`engine_kwargs`'s CPU defaults applied. On GPU platforms the worker is nnsight's own, with the
+same runner addition as on CPU (`StandardizedRequests`: what a block saved counts its containers of
+saved values, see ``engines/saving.py``).
 
 vLLM resolves the worker class by dotted path, in every worker process it spawns, so the worker
 and runner classes live at module level here. They are built on first attribute access (PEP 562
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +59,12 @@ __all__ = [
     "shutdown_llm",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: Dotted path of the nnsight worker for vLLM's CPU platform (what vLLM imports in each worker).
 CPU_WORKER_CLS = f"{__name__}.NNsightCPUWorker"
+#: The same on vLLM's GPU platforms: nnsight's GPU worker with this library's runner.
+CUDA_WORKER_CLS = f"{__name__}.NNsightCUDAWorker"
 
 #: KV cache given to a CPU engine unless the caller sizes it. Without an explicit size vLLM's CPU
 #: worker reserves ``gpu_memory_utilization`` (0.92) of the NUMA node's memory and fails.
@@ -65,7 +73,7 @@ CPU_KV_CACHE_BYTES = 64 * 2**20
 #: The RPC methods nnsight's GPU worker adds (``collective_rpc`` targets of nnsight's client side).
 _NNSIGHT_RPC_METHODS = ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered")
 
-_WORKER_CLASSES = ("NNsightCPUWorker", "NNsightCPUModelRunner")
+_WORKER_CLASSES = ("NNsightCPUWorker", "NNsightCPUModelRunner", "NNsightCUDAWorker", "NNsightCUDAModelRunner")
 
 
 @functools.cache
@@ -132,12 +140,13 @@ def meta_moe_weights_unpacked() -> Iterator[None]:
         cpu_moe.cpu_prepack_moe_weight = prepack
 
 
-def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
+def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[str, Any]:
     """The keyword arguments to build an nnsight vLLM model with, on this platform.
 
-    On vLLM's CPU platform this adds ``kv_cache_memory_bytes=CPU_KV_CACHE_BYTES`` unless the caller
-    sized the KV cache (``kv_cache_memory_bytes``, or ``VLLM_CPU_KVCACHE_SPACE`` in the environment).
-    Elsewhere the caller's kwargs come back unchanged (a new dict).
+    On vLLM's CPU platform, unless the caller sized the KV cache (``kv_cache_memory_bytes``, or
+    ``VLLM_CPU_KVCACHE_SPACE`` in the environment), this sizes it: for ``checkpoint``'s context
+    (`cpu_kv_cache`), or ``CPU_KV_CACHE_BYTES`` without one. Elsewhere the caller's kwargs come
+    back unchanged (a new dict).
 
     ``worker_cls`` is deliberately not among them: nnsight passes its own ``worker_cls`` to
     ``vllm.LLM`` beside these kwargs, so a second one raises ``TypeError``. Build with
@@ -152,31 +161,96 @@ def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
             "worker_cls cannot be passed to nnsight's VLLM: it passes its own to vllm.LLM. "
             "Use PlatformVLLM, whose _WORKER_CLS is the CPU worker on this platform."
         )
-    import os
-
-    if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if "kv_cache_memory_bytes" in kwargs or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return kwargs
+    if checkpoint is None:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return kwargs
+        return kwargs
+    return {**kwargs, **cpu_kv_cache(checkpoint, kwargs)}
+
+
+#: The CPU KV cache sizing: room for this many full-length sequences, within `CPU_KV_CACHE_CAP`
+#: and a quarter of the memory available when the engine is built.
+CPU_KV_SEQUENCES = 4
+CPU_KV_CACHE_CAP = 4 * 2**30
+#: vLLM's CPU KV cache is allocated in blocks of this many tokens.
+CPU_KV_BLOCK = 128
+
+
+def kv_bytes_per_token(config: Any, dtype: Any) -> int | None:
+    """Bytes of KV cache one token takes: keys and values of every layer's key/value heads (``None`` when the
+    config does not say its sizes in the usual way)."""
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if not all(isinstance(size, int) and size > 0 for size in (layers, kv_heads, head_dim)):
+        return None
+    if dtype in (None, "auto"):
+        dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), torch.float32)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """KV-cache settings for ``checkpoint`` on the CPU build, where vLLM has no memory profile to size it by.
+
+    Room for `CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens (the model's context unless
+    given), at least ``CPU_KV_CACHE_BYTES``, at most `CPU_KV_CACHE_CAP` or a quarter of available
+    memory. Where not even one full-length sequence fits that budget and the caller left
+    ``max_model_len`` unset, it is lowered to what the budget holds, and a log line says so once.
+    """
+    import psutil
+    from transformers import AutoConfig
+
+    from ..standardized import max_positions
+
+    config = AutoConfig.from_pretrained(
+        checkpoint, revision=kwargs.get("revision"), trust_remote_code=kwargs.get("trust_remote_code", False)
+    )
+    per_token = kv_bytes_per_token(config, kwargs.get("dtype"))
+    context = kwargs.get("max_model_len") or max_positions(config)
+    if per_token is None or context is None:
+        return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    budget = max(CPU_KV_CACHE_BYTES, min(CPU_KV_CACHE_CAP, psutil.virtual_memory().available // 4))
+    blocks = -(-context // CPU_KV_BLOCK)
+    one_sequence = blocks * CPU_KV_BLOCK * per_token
+    if one_sequence <= budget or "max_model_len" in kwargs:
+        return {"kv_cache_memory_bytes": min(budget, max(CPU_KV_CACHE_BYTES, CPU_KV_SEQUENCES * one_sequence))}
+    fits = budget // per_token // CPU_KV_BLOCK * CPU_KV_BLOCK
+    logger.warning(
+        "max_model_len lowered from %d to %d tokens: a full-length sequence needs %.2f GiB of KV cache, more than "
+        "the CPU build's default budget of %.2f GiB (a quarter of available memory, at most %d GiB). "
+        "Pass max_model_len= or kv_cache_memory_bytes= to choose.",
+        context,
+        fits,
+        one_sequence / 2**30,
+        budget / 2**30,
+        CPU_KV_CACHE_CAP // 2**30,
+    )
+    return {"kv_cache_memory_bytes": budget, "max_model_len": fits}
 
 
 class PlatformVLLM(VLLM):
-    """nnsight's ``VLLM``, made to run on vLLM's CPU build; identical to it on any other platform.
+    """nnsight's ``VLLM``, made to run on vLLM's CPU build as on its GPU platforms.
 
     On CPU: the engine's worker is :data:`CPU_WORKER_CLS`, the meta build runs under
-    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Takes exactly the
-    arguments of nnsight's ``VLLM``.
+    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Elsewhere the worker is
+    :data:`CUDA_WORKER_CLS`. Takes exactly the arguments of nnsight's ``VLLM``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # A wrapped, already loaded module (nnsight's worker-side form) carries no engine settings.
         if not (args and isinstance(args[0], torch.nn.Module)):
-            kwargs = engine_kwargs(**kwargs)
+            kwargs = engine_kwargs(str(args[0]) if args else None, **kwargs)
         super().__init__(*args, **kwargs)
 
     @property
     def _WORKER_CLS(self) -> str:  # noqa: N802 - overrides nnsight's class attribute of that name
-        """The worker class vLLM instantiates: the CPU one on the CPU platform, else nnsight's."""
-        return CPU_WORKER_CLS if is_cpu_platform() else VLLM._WORKER_CLS
+        """The worker class vLLM instantiates: the CPU one on the CPU platform, else the GPU one."""
+        return CPU_WORKER_CLS if is_cpu_platform() else CUDA_WORKER_CLS
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
         with accelerator_noop(), meta_moe_weights_unpacked():
@@ -211,13 +285,29 @@ def shutdown_llm(llm: Any) -> None:
 
 
 def _define_worker_classes() -> None:
-    """Build :class:`NNsightCPUWorker` and :class:`NNsightCPUModelRunner` into this module."""
-    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+    """Build the worker and model-runner classes (:data:`_WORKER_CLASSES`) into this module."""
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
     from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+    from .saving import mark_in_worker
+
+    class StandardizedRequests(Requests):
+        """nnsight's per-request bookkeeping; what a block saved also counts its containers of saved values."""
+
+        def record(self, mediator: Any) -> None:
+            mark_in_worker(mediator)
+            super().record(mediator)
+
+    class StandardizedRunner:
+        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`."""
+
+        def load_model(self, *args: Any, **kwargs: Any) -> None:
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
+            self.nnsight_requests.__class__ = StandardizedRequests
+
+    class NNsightCPUModelRunner(StandardizedRunner, NNsightGPUModelRunner, CPUModelRunner):
         """nnsight's model runner over vLLM's CPU runner.
 
         MRO: nnsight's hooks (``load_model``, ``_update_states``, ``execute_model``,
@@ -225,6 +315,9 @@ def _define_worker_classes() -> None:
         overrides the device-specific parts of ``GPUModelRunner``. Neither nnsight's runner nor
         this class adds constructor state, so an already built ``CPUModelRunner`` can be re-classed.
         """
+
+    class NNsightCUDAModelRunner(StandardizedRunner, NNsightGPUModelRunner):
+        """nnsight's model runner on vLLM's GPU platforms, with `StandardizedRequests`."""
 
     class NNsightCPUWorker(CPUWorker):
         """vLLM's CPU worker whose model runner interleaves nnsight interventions."""
@@ -240,11 +333,18 @@ def _define_worker_classes() -> None:
                 )
             runner.__class__ = NNsightCPUModelRunner
 
+    class NNsightCUDAWorker(NNsightGPUWorker):
+        """nnsight's GPU worker whose runner is :class:`NNsightCUDAModelRunner`."""
+
+        def init_device(self) -> None:
+            super().init_device()
+            self.model_runner.__class__ = NNsightCUDAModelRunner
+
     # The same RPC methods as nnsight's GPU worker: they only forward to the runner.
     for name in _NNSIGHT_RPC_METHODS:
         setattr(NNsightCPUWorker, name, getattr(NNsightGPUWorker, name))
 
-    for cls in (NNsightCPUModelRunner, NNsightCPUWorker):
+    for cls in (NNsightCPUModelRunner, NNsightCUDAModelRunner, NNsightCPUWorker, NNsightCUDAWorker):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
         globals()[cls.__name__] = cls

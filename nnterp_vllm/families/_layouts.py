@@ -23,6 +23,19 @@ GPT2_RENAME = {
 }
 
 
+#: Block norms spelled otherwise than llama's ``input_layernorm`` (the norm before the token mixer) and
+#: ``post_attention_layernorm`` (the norm before the MLP): every family's blocks answer to those names
+#: too. A family whose module of one of these names is something else maps the name to itself.
+BLOCK_NORMS = {
+    **dict.fromkeys(("ln_1", "norm_1", "layernorm1", "ln1"), "input_layernorm"),
+    **dict.fromkeys(("ln_2", "norm_2", "layernorm2", "ln2"), "post_attention_layernorm"),
+    **dict.fromkeys(("self_attn_layer_norm", "attention_layernorm", "attn_norm", "operator_norm"), "input_layernorm"),
+    **dict.fromkeys(("temporal_pre_norm", "norm_mlstm"), "input_layernorm"),
+    **dict.fromkeys(("feedforward_layernorm", "mlp_norm", "ffn_norm", "pre_ff_layernorm"), "post_attention_layernorm"),
+    **dict.fromkeys(("channel_pre_norm", "norm_ffn"), "post_attention_layernorm"),
+}
+
+
 def classes(
     module: str,
     layer: type = Layer,

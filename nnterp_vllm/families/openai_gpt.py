@@ -17,7 +17,15 @@ from ..components import Attention, Layer, Value, unavailable
 from ..components.attention import interior
 from ._layouts import classes
 
-RENAME = {"transformer.tokens_embed": "embed_tokens", "transformer.h": "layers", "attn": "self_attn"}
+#: A post-norm block: ``ln_1`` norms the stream after attention (where llama's ``post_attention_layernorm``
+#: sits), ``ln_2`` after the MLP (llama has no such norm).
+RENAME = {
+    "transformer.tokens_embed": "embed_tokens",
+    "transformer.h": "layers",
+    "attn": "self_attn",
+    "ln_1": "post_attention_layernorm",
+    "ln_2": "ln_2",
+}
 NO_FINAL_NORM = "GPT has no final norm: the last block's output (itself normed by its ln_2) goes to the head as it is"
 UNAVAILABLE = {"final_norm_output": NO_FINAL_NORM + "; read layers[-1].layer_output"}
 POST_NORM = (

@@ -1,0 +1,125 @@
+"""nnterp's displays: the logit-lens heatmap of top tokens per layer, and prompts as a table.
+
+Plots are drawn with matplotlib (the ``display`` extra: ``pip install 'nnterp_vllm[display]'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .prompt_utils import Prompt
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            "plot_topk_tokens draws with matplotlib: pip install 'nnterp_vllm[display]' (or matplotlib)"
+        ) from error
+    return Figure
+
+
+def _as_batch(probs: Any) -> torch.Tensor:
+    """``[vocab]``, ``[layers, vocab]`` or ``[batch, layers, vocab]`` probabilities as ``[batch, layers, vocab]``."""
+    if not isinstance(probs, torch.Tensor) or not 1 <= probs.dim() <= 3:
+        shape = list(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise ValueError(
+            f"plot_topk_tokens: next_token_probs must be a [vocab], [layers, vocab] or [batch, layers, vocab] "
+            f"tensor (e.g. logit_lens' result), got {shape}"
+        )
+    probs = probs.detach().float().cpu()
+    while probs.dim() < 3:
+        probs = probs.unsqueeze(0)
+    return probs
+
+
+def plot_topk_tokens(
+    next_token_probs: torch.Tensor,
+    tokenizer: Any,
+    k: int = 4,
+    title: str | None = None,
+    use_token_ids: bool = False,
+    file: str | Path | None = None,
+    save_html: bool = True,
+    height: int = 300,
+    width: int = 400,
+) -> Any:
+    """A heatmap per prompt of the ``k`` most probable tokens at each layer (e.g. of `logit_lens`' result).
+
+    Rows are layers, columns the top-``k`` ranks; each cell shows the token (or its id, with
+    ``use_token_ids``) coloured by its probability. Up to three prompts per row of panels, each
+    ``width`` x ``height`` pixels (taller where there are many layers). With ``file``, the figure is
+    saved there in the format its suffix names (``.png``, ``.svg``, ``.pdf``, ...); ``.html`` (or
+    ``save_html`` beside an image) writes a page showing the image. Returns the matplotlib ``Figure``.
+    """
+    figure_class = _figure_class()
+    probs = _as_batch(next_token_probs)
+    batch, layers, vocab = probs.shape
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= vocab:
+        raise ValueError(f"plot_topk_tokens: k must be an int in 1..{vocab} (the vocabulary), got {k!r}")
+    top = probs.topk(k, dim=-1)
+    columns = min(3, batch)
+    rows = math.ceil(batch / columns)
+    panel_height = max(height, 22 * layers + 90)
+    figure = figure_class(figsize=(width * columns / 100, panel_height * rows / 100), dpi=100, layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
+    image = None
+    for index, axis in enumerate(axes.flat):
+        if index >= batch:
+            axis.set_axis_off()
+            continue
+        image = axis.imshow(top.values[index], cmap="RdBu_r", vmin=0, vmax=1, aspect="auto", origin="lower")
+        for layer in range(layers):
+            for rank in range(k):
+                token = int(top.indices[index, layer, rank])
+                label = str(token) if use_token_ids else repr(tokenizer.decode([token]))
+                dark = abs(float(top.values[index, layer, rank]) - 0.5) > 0.3  # the map's ends are dark
+                axis.text(rank, layer, label, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        axis.set_xticks(range(k))
+        axis.set_yticks(range(layers))
+        axis.set_xlabel("Tokens")
+        axis.set_ylabel("Layers")
+        if batch > 1:
+            axis.set_title(f"prompt {index}", fontsize=9)
+    figure.colorbar(image, ax=axes, label="Probability", shrink=0.9)
+    figure.suptitle(title or f"Top {k} Tokens Heatmap")
+    if file is not None:
+        _save(figure, Path(file), save_html)
+    return figure
+
+
+def _save(figure: Any, file: Path, save_html: bool) -> None:
+    """Save ``figure`` to ``file`` (an image format by suffix, or ``.html``), with an HTML page beside it if asked."""
+    if file.suffix != ".html":
+        figure.savefig(file, dpi=150)
+    if save_html or file.suffix == ".html":
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=150)
+        encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+        page = (
+            f'<!doctype html>\n<html><body><img alt="top tokens" src="data:image/png;base64,{encoded}"></body></html>\n'
+        )
+        (file if file.suffix == ".html" else file.with_suffix(".html")).write_text(page)
+
+
+def prompts_to_df(prompts: list[Prompt], tokenizer: Any = None) -> Any:
+    """A pandas table of prompts (one column each): the prompt, each target's strings, and with ``tokenizer``
+    each target's tokens."""
+    import pandas
+
+    table: dict[int, dict[str, Any]] = {}
+    for index, prompt in enumerate(prompts):
+        table[index] = {"prompt": prompt.prompt}
+        for target, strings in (prompt.target_strings or {}).items():
+            table[index][f"{target}_string"] = strings
+        if tokenizer is not None:
+            for target, tokens in prompt.target_tokens.items():
+                table[index][f"{target}_tokens"] = tokenizer.convert_ids_to_tokens(tokens)
+    return pandas.DataFrame.from_dict(table)

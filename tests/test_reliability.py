@@ -1,0 +1,268 @@
+"""Bad input never kills the engine: every case gets a clear error before any work, on both engines.
+
+Each case is what a hostile-but-realistic user writes. The test asserts the error's class, that its
+message names what was wrong and what would be right, and, on vLLM, that the engine serves the next
+request (the same trace, written correctly).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+import reference
+import tiny
+import torch
+
+from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, UnavailableValue
+from nnterp_vllm.engines import vllm_platform
+
+PROMPT = reference.PROMPT
+TOKENS = len(tiny.tokenizer()(PROMPT)["input_ids"])
+HIDDEN = tiny.SIZES["hidden_size"]
+
+
+@pytest.fixture(scope="module", params=["transformers", "vllm"])
+def model(request):
+    path = tiny.checkpoint("llama")
+    if request.param == "transformers":
+        yield StandardizedTransformer(path)
+        return
+    on_vllm = StandardizedVLLM(path, dtype="float32")
+    yield on_vllm
+    on_vllm.shutdown()
+
+
+def serves_the_next_trace(model):
+    with model.trace(PROMPT):
+        logits = model.logits.save()
+    assert logits.shape == (1, TOKENS, model.vocab_size) and torch.isfinite(logits).all()
+
+
+def refused_in_a_trace(model, body, kind, *words, prompt=PROMPT):
+    with pytest.raises(kind) as caught:
+        with model.trace(prompt):
+            body()
+            model.logits.save()
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+    serves_the_next_trace(model)
+
+
+# -- writes of the wrong shape ------------------------------------------------------------------
+
+WRONG_WRITES = [
+    ("layer_output", (1, TOKENS - 1, HIDDEN)),
+    ("layer_output", (1, TOKENS - 6, HIDDEN)),
+    ("layer_output", (1, TOKENS - 8, HIDDEN)),
+    ("layer_output", (1, TOKENS + 3, HIDDEN)),
+    ("layer_output", (2, TOKENS, HIDDEN)),
+    ("layer_output", (1, TOKENS, HIDDEN + 1)),
+    ("mlp_output", (1, TOKENS - 3, HIDDEN)),
+    ("layer_input", (1, TOKENS - 3, HIDDEN)),
+    ("attention_output", (1, TOKENS + 2, HIDDEN)),
+]
+
+
+@pytest.mark.parametrize("name, shape", WRONG_WRITES)
+def test_a_write_of_the_wrong_shape_is_refused_and_the_engine_serves_on(model, name, shape):
+    def write():
+        setattr(model.layers[1], name, torch.zeros(shape))
+
+    expected = f"[1, {TOKENS}, {HIDDEN}]"
+    refused_in_a_trace(model, write, ValueError, name, str(list(shape)), expected)
+
+
+def test_a_write_that_is_no_tensor_or_does_not_cast_is_refused(model):
+    refused_in_a_trace(model, lambda: setattr(model.layers[1], "layer_output", 0.5), ValueError, "write a tensor")
+    complex_stream = torch.zeros(1, TOKENS, HIDDEN, dtype=torch.complex64)
+    refused_in_a_trace(
+        model, lambda: setattr(model.layers[1], "layer_output", complex_stream), ValueError, "cannot be written"
+    )
+
+
+def test_an_integer_write_is_cast_to_the_value_dtype(model):
+    with model.trace(PROMPT):
+        model.layers[1].mlp_output = torch.zeros(1, TOKENS, HIDDEN, dtype=torch.int64)
+        written = model.layers[1].mlp_output.save()
+    assert written.dtype == torch.float32 and not written.any()
+
+
+def test_a_logits_write_of_the_wrong_width_is_refused(model):
+    if model.ENGINE != "vllm":
+        pytest.skip("logits are written on vLLM only (they are what it samples from)")
+    refused_in_a_trace(
+        model, lambda: setattr(model, "logits", torch.zeros(1, TOKENS, 7)), ValueError, "[1, 7]", "logits"
+    )
+
+
+# -- method arguments -----------------------------------------------------------------------------
+
+STEER_CASES = [
+    ({"vector": torch.zeros(3, HIDDEN), "positions": [0, 1]}, "3 rows for 2 positions"),
+    ({"vector": torch.zeros(HIDDEN), "positions": 100}, "position(s) [100] are outside"),
+    ({"vector": torch.zeros(HIDDEN), "positions": -100}, "position(s) [-100] are outside"),
+    ({"vector": torch.zeros(HIDDEN), "positions": [0, 100]}, "position(s) [100] are outside"),
+    ({"vector": torch.zeros(HIDDEN), "positions": 1.5}, "positions must be None, an int"),
+    ({"vector": torch.zeros(HIDDEN), "positions": slice(100, None)}, "reaches past the sequence"),
+    ({"vector": torch.zeros(HIDDEN), "positions": slice(3, 3)}, "selects no position"),
+    ({"vector": torch.zeros(HIDDEN), "positions": slice(0.5, 2)}, "a slice of positions takes ints"),
+    ({"vector": torch.zeros(HIDDEN), "factor": "2"}, "factor must be a finite number"),
+    ({"vector": torch.zeros(7)}, f"[hidden_size] = [{HIDDEN}]"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", STEER_CASES)
+def test_steer_refuses_bad_arguments_with_the_fix(model, kwargs, message):
+    refused_in_a_trace(model, lambda: model.steer(layers=1, **kwargs), ValueError, "steer", message)
+
+
+def test_logit_lens_refuses_a_position_past_the_prompt(model):
+    with pytest.raises(ValueError, match=r"logit_lens: position\(s\) \[100\] are outside"):
+        model.logit_lens(PROMPT, position=100)
+    serves_the_next_trace(model)
+
+
+def test_layers_take_ints_or_slices(model):
+    refused_in_a_trace(model, lambda: model.layers[1.5].layer_output.save(), TypeError, "int or a slice", "1.5")
+    refused_in_a_trace(model, lambda: model.layers[99].layer_output.save(), IndexError, "num_layers=3")
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+BAD_PROMPTS = [
+    (123, TypeError, "of type int (123); give a string, a list of token ids"),
+    (None, TypeError, "of type NoneType"),
+    ([1.5, 2.5], TypeError, "list of float items"),
+    (["a", 3], TypeError, "list of int/str items"),
+    ([], ValueError, "empty list"),
+    ([5, 99999], ValueError, "token id(s) [99999] are outside the vocabulary"),
+    (torch.tensor([1.0, 2.0]), TypeError, "integer tensor"),
+    ("", ValueError, "empty string"),
+]
+
+
+@pytest.mark.parametrize("prompt, kind, message", BAD_PROMPTS, ids=[repr(case[0])[:20] for case in BAD_PROMPTS])
+def test_a_prompt_that_is_no_text_or_token_ids_is_refused(model, prompt, kind, message):
+    with pytest.raises(kind) as caught:
+        with model.trace(prompt):
+            model.logits.save()
+    assert message in str(caught.value)
+    serves_the_next_trace(model)
+
+
+def test_a_bare_token_id_is_no_prompt_on_vllm_either(model):
+    with pytest.raises(TypeError, match="of type int"):
+        with model.trace() as tracer:
+            with tracer.invoke(5):
+                model.logits.save()
+    serves_the_next_trace(model)
+
+
+def test_a_prompt_longer_than_the_model_takes_is_refused(model):
+    too_long = [5] * (tiny.SIZES["max_position_embeddings"] + 10)
+    with pytest.raises(ValueError) as caught:
+        with model.trace(too_long):
+            model.logits.save()
+    assert "266" in str(caught.value) and "256" in str(caught.value), str(caught.value)
+    serves_the_next_trace(model)
+
+
+# -- outside a trace ----------------------------------------------------------------------------------
+
+OUTSIDE = {
+    "steer": lambda model: model.steer(1, torch.zeros(HIDDEN)),
+    "skip_layers": lambda model: model.skip_layers(1),
+    "layer_output": lambda model: model.layers[1].layer_output,
+    "attention_queries": lambda model: model.layers[1].self_attn.attention_queries,
+    "logits": lambda model: model.logits,
+    "next_token_probs": lambda model: model.next_token_probs,
+}
+
+
+@pytest.mark.parametrize("name", OUTSIDE)
+def test_methods_and_values_outside_a_trace_say_so(model, name):
+    with pytest.raises(ValueError, match=rf"{name}.*only served inside a trace.*with model.trace"):
+        OUTSIDE[name](model)
+
+
+def test_a_write_outside_a_trace_says_so(model):
+    with pytest.raises(ValueError, match="layer_output is only served inside a trace"):
+        model.layers[1].layer_output = torch.zeros(1, TOKENS, HIDDEN)
+
+
+def test_an_unavailable_value_is_refused_with_its_reason(model):
+    refused_in_a_trace(model, lambda: model.layers[0].mlp.router_logits.save(), UnavailableValue, "dense")
+
+
+# -- threads ------------------------------------------------------------------------------------------
+
+
+def test_two_threads_tracing_one_model_are_served_one_after_the_other(model):
+    prompts = [PROMPT, reference.OTHER_PROMPT, "Paris is the capital of", "One two three"]
+    expected = {}
+    for prompt in prompts:
+        with model.trace(prompt):
+            expected[prompt] = model.layers[2].layer_output.save()
+    results, errors = {}, []
+
+    def work(prompt):
+        try:
+            for _ in range(2):
+                with model.trace(prompt):
+                    value = model.layers[2].layer_output.save()
+                results.setdefault(prompt, []).append(value)
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(prompt,)) for prompt in prompts * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert sorted(results) == sorted(prompts)
+    for prompt, values in results.items():
+        assert len(values) == 4
+        for value in values:
+            torch.testing.assert_close(value, expected[prompt], atol=1e-6, rtol=1e-6)
+
+
+# -- loading --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", [StandardizedTransformer, StandardizedVLLM])
+def test_a_checkpoint_without_or_with_a_broken_config_is_named(engine, tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        engine(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON.*save the model again"):
+        engine(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine(tmp_path / "missing")
+
+
+def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeypatch, caplog):
+    small = SimpleNamespace(available=2**30)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: small)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    path = tiny.checkpoint("llama")
+    per_token = 2 * 3 * 2 * 32 * 4  # keys and values, 3 layers, 2 key/value heads of 32, fp32
+    fitted = vllm_platform.engine_kwargs(str(path), dtype="float32")
+    assert fitted["kv_cache_memory_bytes"] == vllm_platform.CPU_KV_CACHE_BYTES  # 4 x 256 tokens is tiny
+    assert "max_model_len" not in fitted
+    long_context = tiny.checkpoint("llama", max_position_embeddings=2**20)
+    with caplog.at_level(logging.WARNING, logger=vllm_platform.__name__):
+        capped = vllm_platform.engine_kwargs(str(long_context), dtype="float32")
+    budget = 2**30 // 4
+    assert capped["kv_cache_memory_bytes"] == budget
+    assert capped["max_model_len"] == budget // per_token // 128 * 128
+    [line] = [record.getMessage() for record in caplog.records]
+    assert f"max_model_len lowered from {2**20}" in line and "max_model_len=" in line
+    explicit = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**15)
+    assert explicit["max_model_len"] == 2**15 and explicit["kv_cache_memory_bytes"] == 4 * 2**15 * per_token
+    beyond = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**19)
+    assert beyond["max_model_len"] == 2**19 and beyond["kv_cache_memory_bytes"] == budget  # vLLM says it is short
+    assert vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7) == {"kv_cache_memory_bytes": 7}
