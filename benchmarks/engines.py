@@ -99,21 +99,27 @@ def standardized_vllm(path: str, batch: list[str], tokens: int, repeats: int) ->
 
 
 def transformers_generate(path: str, batch: list[str], tokens: int, repeats: int) -> float:
+    model, tokenizer, inputs = transformers_batch(path, batch)
+    return best_of(lambda: greedy_generate(model, tokenizer, inputs, tokens), repeats)
+
+
+def transformers_batch(path: str, batch: list[str]) -> tuple:
+    """The plain transformers model, its tokenizer (padding left) and the padded batch."""
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    inputs = tokenizer(batch, return_tensors="pt", padding=True)
+    return model, tokenizer, tokenizer(batch, return_tensors="pt", padding=True)
 
-    def run() -> None:
-        with torch.no_grad():
-            model.generate(
-                **inputs,
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
 
-    return best_of(run, repeats)
+def greedy_generate(model: object, tokenizer: object, inputs: dict, tokens: int) -> None:
+    """transformers ``generate``: ``tokens`` new tokens per prompt, greedy, no early stop."""
+    with torch.no_grad():
+        model.generate(
+            **inputs,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
 
 
 MEASUREMENTS = {"vllm": plain_vllm, "standardized": standardized_vllm, "transformers": transformers_generate}

@@ -1,9 +1,17 @@
-"""Harvest throughput on SmolLM2-135M (CPU), every block's ``layer_output``, measured in one run.
+"""Harvest throughput on SmolLM2-135M (CPU, fp32), each measurement in its own process, in one run.
 
-(a) a plain transformers forward with ``output_hidden_states=True`` over the same batches (the
-ceiling), (b) our harvest on transformers, (c) our harvest on vLLM; tokens/s (model loading
-excluded) and peak RSS of each, each in its own process. The corpus: documents built from
-the shipped corpus's sentences. Prints the numbers; asserts nothing.
+(a) the ceiling: a plain transformers forward of the base model (sdpa, no KV cache, no head)
+    with ``output_hidden_states=True`` over the harvest's own rows, keeping every block's output;
+(b) our harvest of all 30 ``layer_output`` s, to disk;
+(c) our harvest of ``layers.3.layer_output`` only, against (c0) a plain forward of a 4-block model;
+(d) SAELens's own activation caching (``CacheActivationsRunner``) of ``model.layers.3``, same
+    model, corpus, context and batch size (its model and a local text dataset, offline);
+(e) our harvest on vLLM, of all 30 ``layer_output`` s and of ``layers.3.layer_output``;
+and reading (b)'s harvest back with ``batches``: shuffled against sequential.
+
+Tokens/s exclude model loading; peak RSS is the process's. The corpus: documents built from
+the shipped corpus's sentences, packed into rows of exactly the context length (as SAELens
+does). Prints the numbers and ratios; asserts nothing.
 
     python benchmarks/harvest.py [--documents 240] [--context-length 128]
 """
@@ -22,10 +30,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CORPUS = Path(__file__).resolve().parent.parent / "nnterp_vllm" / "data" / "corpus.jsonl"
 BATCH_SIZE = 8
 SHARD_BYTES = 256 * 2**20
+SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
+READ_BATCH = 1024
 
 
 def build_corpus(path: Path, count: int) -> None:
@@ -37,8 +49,9 @@ def build_corpus(path: Path, count: int) -> None:
             handle.write(json.dumps({"text": " ".join(picks)}) + "\n")
 
 
-def plain_forward(checkpoint: str, corpus: Path, context_length: int) -> tuple[int, float]:
-    """Tokens through a plain forward with output_hidden_states over the harvest's own batches; seconds."""
+def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: int | None) -> tuple[int, float]:
+    """Tokens through the base model (``blocks`` of them, or all) over the harvest's rows, keeping every
+    block's output for the real tokens; seconds."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,56 +59,126 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int) -> tuple[i
     from nnterp_vllm.harvest.run import batches, plan
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    extra = {} if blocks is None else {"num_hidden_layers": blocks}
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", **extra).eval()
+    base = model.model
     began = time.perf_counter()
-    settings = ContextSettings(context_length=context_length)
+    settings = ContextSettings(context_length=context_length, overflow="pack")
     per_token = model.config.num_hidden_layers * model.config.hidden_size * 4
     units = plan(rows(read_documents(str(corpus), settings=settings), tokenizer, settings), SHARD_BYTES // per_token)
     tokens = 0
     for unit in units:
         for _, ids, mask in batches(unit.rows, BATCH_SIZE, tokenizer.pad_token_id or 0):
             with torch.no_grad():
-                hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            kept = [layer[mask.bool()].clone() for layer in hidden[1:]]  # what a harvest keeps: real tokens only
+                hidden = base(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+            kept = [layer[mask.bool()].clone() for layer in hidden.hidden_states[1:]]  # what a harvest keeps
             tokens += int(mask.sum())
             del kept
     return tokens, time.perf_counter() - began
 
 
-def our_harvest(checkpoint: str, corpus: Path, context_length: int, engine: str) -> tuple[int, float]:
-    """Tokens harvested (every layer_output, to disk) by an already loaded model; seconds."""
+def our_harvest(checkpoint: str, corpus: Path, context_length: int, engine: str, values: list[str], out: Path):
+    """Tokens harvested (``values``, to disk at ``out``) by an already loaded model; seconds; the attention used."""
     from nnterp_vllm.harvest import harvest
-    from nnterp_vllm.harvest.run import load_model
+    from nnterp_vllm.harvest.run import attention_for, load_model
+    from nnterp_vllm.harvest.selection import check_selectors
 
     kwargs = {"dtype": "float32", "max_model_len": 512} if engine == "vllm" else {}
+    if engine == "transformers":
+        kwargs["attn_implementation"] = attention_for(check_selectors(values, context_length))
     model = load_model(checkpoint, engine, kwargs)
-    out = Path(tempfile.mkdtemp(prefix=f"harvest-bench-{engine}-"))
     try:
-        began = time.perf_counter()
-        result = harvest(
-            model,
-            str(corpus),
-            ["layers.*.layer_output"],
-            out,
-            context_length=context_length,
-            batch_size=BATCH_SIZE,
-            shard_bytes=SHARD_BYTES,
-            progress=False,
-        )
-        return len(result), time.perf_counter() - began
+        results = []
+        for selection in [values] if engine == "transformers" else [values, [f"layers.{SHALLOW}.layer_output"]]:
+            target = out if selection is values else out.with_name(out.name + "-shallow")
+            began = time.perf_counter()
+            result = harvest(
+                model,
+                str(corpus),
+                selection,
+                target,
+                context_length=context_length,
+                overflow="pack",
+                batch_size=BATCH_SIZE,
+                shard_bytes=SHARD_BYTES,
+                progress=False,
+            )
+            results.append((len(result), time.perf_counter() - began, result.manifest["attention"]))
+        return results
     finally:
-        shutil.rmtree(out, ignore_errors=True)
         if engine == "vllm":
             model.shutdown()
 
 
-def child(name: str, checkpoint: str, corpus: Path, context_length: int) -> None:
+def saelens_caching(checkpoint: str, corpus: Path, context_length: int, tokens: int, out: Path) -> tuple[int, float]:
+    """SAELens's CacheActivationsRunner over the same text, model, block and context; tokens cached, seconds."""
+    from sae_lens import CacheActivationsRunner, CacheActivationsRunnerConfig
+
+    text = out.with_name("saelens-text")
+    text.mkdir()
+    shutil.copy(corpus, text / "train.jsonl")
+    batch = BATCH_SIZE * context_length
+    per_buffer = max(batch, tokens // 2 // batch * batch)  # two buffers, whole batches each
+    tokens = 2 * per_buffer
+    config = CacheActivationsRunnerConfig(
+        dataset_path=str(text),
+        model_name=checkpoint,
+        model_class_name="AutoModelForCausalLM",
+        model_batch_size=BATCH_SIZE,
+        hook_name=f"model.layers.{SHALLOW}",
+        d_in=576,
+        training_tokens=tokens,
+        context_size=context_length,
+        new_cached_activations_path=str(out),
+        shuffle=False,
+        dtype="float32",
+        device="cpu",
+        buffer_size_gb=(per_buffer + 0.5) * 576 * 4 / 1e9,
+        streaming=False,
+        prepend_bos=True,
+    )
+    runner = CacheActivationsRunner(config)
+    began = time.perf_counter()
+    dataset = runner.run()
+    return len(dataset) * context_length, time.perf_counter() - began
+
+
+def read_back(out: Path, rounds: int = 3) -> dict[str, float]:
+    """Tokens/s of one epoch of `Harvest.batches` over every value of a harvest, sequential and shuffled:
+    the best of ``rounds`` alternating passes each, after a pass that maps the files in."""
+    from nnterp_vllm import load_harvest
+
+    harvest = load_harvest(out)
+    rates = {"sequential": 0.0, "shuffled": 0.0}
+    for name in ["warm-up", *["sequential", "shuffled"] * rounds]:
+        began = time.perf_counter()
+        tokens = 0
+        for batch in harvest.batches(READ_BATCH, shuffle=name == "shuffled", seed=0):
+            tokens += len(next(iter(batch.values())))
+        if name in rates:
+            rates[name] = max(rates[name], tokens / (time.perf_counter() - began))
+    return rates
+
+
+def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch: Path, tokens: int) -> dict:
+    everything = ["layers.*.layer_output"]
     if name == "plain":
-        tokens, seconds = plain_forward(checkpoint, corpus, context_length)
+        done = {"runs": [plain_forward(checkpoint, corpus, context_length, None)]}
+    elif name == "plain-4":
+        done = {"runs": [plain_forward(checkpoint, corpus, context_length, SHALLOW + 1)]}
+    elif name == "ours":
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", everything, scratch / "all")}
+    elif name == "ours-3":
+        shallow = [f"layers.{SHALLOW}.layer_output"]
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", shallow, scratch / "three")}
+    elif name == "saelens":
+        done = {"runs": [saelens_caching(checkpoint, corpus, context_length, tokens, scratch / "saelens")]}
+    elif name == "vllm":
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", everything, scratch / "vllm")}
     else:
-        tokens, seconds = our_harvest(checkpoint, corpus, context_length, name)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_mib": peak}))
+        done = {"read": read_back(scratch / "all")}
+    done["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return done
 
 
 def main() -> None:
@@ -103,36 +186,82 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=240)
     parser.add_argument("--context-length", type=int, default=128)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--corpus", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from nnterp_vllm.checkpoints import smollm2
 
     checkpoint = str(smollm2())
     if args.child:
-        child(args.child, checkpoint, Path(args.corpus), args.context_length)
+        scratch = Path(args.scratch)
+        print(
+            json.dumps(
+                child(args.child, checkpoint, scratch / "corpus.jsonl", args.context_length, scratch, args.tokens)
+            )
+        )
         return
-    with tempfile.TemporaryDirectory() as scratch:
-        corpus = Path(scratch) / "corpus.jsonl"
-        build_corpus(corpus, args.documents)
-        results = {}
-        for name in ("plain", "transformers", "vllm"):
-            command = [sys.executable, __file__, "--child", name, "--corpus", str(corpus)]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
+        build_corpus(Path(scratch) / "corpus.jsonl", args.documents)
+        tokens = 0
+        for name in ("plain", "ours", "plain-4", "ours-3", "saelens", "vllm", "read"):
+            command = [sys.executable, __file__, "--child", name, "--scratch", scratch, f"--tokens={tokens}"]
             command += [f"--context-length={args.context_length}"]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"  {name}: failed\n{done.stderr[-3000:]}")
+                continue
             results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    rate = {name: result["tokens"] / result["seconds"] for name, result in results.items()}
+            tokens = tokens or results[name]["runs"][0][0]
+    report(results, args)
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    rate, seconds = {}, {}
     labels = {
-        "plain": "(a) plain forward, output_hidden_states",
-        "transformers": "(b) harvest on transformers",
-        "vllm": "(c) harvest on vLLM",
+        "plain": "(a) plain forward, base model, all hidden states",
+        "ours": "(b) our harvest, all 30 layer_outputs",
+        "plain-4": "(c0) plain forward of 4 blocks",
+        "ours-3": f"(c) our harvest, layers.{SHALLOW}.layer_output",
+        "saelens": f"(d) SAELens CacheActivationsRunner, model.layers.{SHALLOW}",
+        "vllm": "(e) our harvest on vLLM, all 30 layer_outputs",
+        "vllm-3": f"(e3) our harvest on vLLM, layers.{SHALLOW}.layer_output",
     }
-    print(f"SmolLM2-135M fp32, {args.documents} documents, context {args.context_length}, every layer_output")
-    for name, result in results.items():
-        peak, tokens = result["peak_mib"], result["tokens"]
-        print(f"  {labels[name]:42s} {rate[name]:8.1f} tokens/s  peak RSS {peak:7.0f} MiB  ({tokens} tokens)")
     print(
-        f"  (b)/(a) = {rate['transformers'] / rate['plain']:.3f}   (c)/(b) = {rate['vllm'] / rate['transformers']:.3f}"
+        f"SmolLM2-135M fp32, {args.documents} documents packed into rows of {args.context_length}, batch {BATCH_SIZE}"
     )
+    for name, result in results.items():
+        for index, run in enumerate(result.get("runs", [])):
+            key = name if index == 0 else f"{name}-3"
+            rate[key], seconds[key] = run[0] / run[1], run[1]
+            attention = f"  attention {run[2]}" if len(run) > 2 else ""
+            print(
+                f"  {labels[key]:58s} {rate[key]:8.1f} tokens/s  {run[1]:6.1f} s  "
+                f"peak RSS {result['peak_mib']:6.0f} MiB  ({run[0]} tokens){attention}"
+            )
+    if "read" in results:
+        read, peak = results["read"]["read"], results["read"]["peak_mib"]
+        print(
+            f"  reading (b) back, batches of {READ_BATCH}, every value, the default 256 MiB buffer, best of 3 "
+            f"(peak RSS {peak:.0f} MiB):"
+        )
+        for name, value in read.items():
+            print(f"    {name:18s} {value:10.0f} tokens/s")
+    print("ratios (goal):")
+
+    def ratio(text: str, top: str, bottom: str, goal: str, by: dict = rate) -> None:
+        if top in by and bottom in by:
+            print(f"  {text:44s} {by[top] / by[bottom]:6.3f}   ({goal})")
+
+    ratio("(b)/(a) tokens/s", "ours", "plain", ">= 0.95")
+    ratio("(c) time / (c0) time", "ours-3", "plain-4", "<= 1.2", by=seconds)
+    ratio("(c)/(d) tokens/s", "ours-3", "saelens", ">= 1")
+    ratio("(c)/(b) tokens/s: cost falls with depth", "ours-3", "ours", "> 1")
+    ratio("(e)/(b) tokens/s", "vllm", "ours", "")
+    ratio("(e3)/(e) tokens/s", "vllm-3", "vllm", "")
+    if "read" in results:
+        read = results["read"]["read"]
+        print(f"  {'shuffled / sequential read':44s} {read['shuffled'] / read['sequential']:6.3f}   (>= 0.8)")
 
 
 if __name__ == "__main__":

@@ -17,20 +17,21 @@ def _support(args: argparse.Namespace) -> int:
 
 
 def _harvest(args: argparse.Namespace) -> int:
-    from .harvest import harvest
+    from .harvest.run import harvest, torch_dtype
 
     model = args.model
     if model == "smollm2":
         from .checkpoints import smollm2
 
         model = str(smollm2())
-    model_kwargs = {"dtype": args.model_dtype} if args.model_dtype else {}
+    model_kwargs = {"dtype": torch_dtype(args.model_dtype, "--model-dtype")} if args.model_dtype else {}
     result = harvest(
         model,
         args.corpus,
         args.values,
         args.out,
         engine=args.engine,
+        format=args.format,
         positions=args.positions,
         context_length=args.context_length,
         overflow=args.overflow,
@@ -80,11 +81,21 @@ def parser() -> argparse.ArgumentParser:
     )
     harvest.add_argument("--out", required=True, help="output directory; rerunning the same command resumes it")
     harvest.add_argument("--engine", choices=["hf", "transformers", "vllm"], default="transformers")
+    harvest.add_argument(
+        "--format",
+        choices=["safetensors", "sae-lens"],
+        default="safetensors",
+        help="safetensors shards, or a dataset SAELens's cached-activation training reads as it is",
+    )
     harvest.add_argument("--workers", type=int, default=1, help="Ray actors, one model replica each")
     harvest.add_argument("--ray-address", help="an existing Ray cluster (a local one is started otherwise)")
     harvest.add_argument("--positions", choices=["all", "last"], default="all")
     harvest.add_argument("--context-length", type=int, help="tokens per row (default: whole documents)")
-    harvest.add_argument("--overflow", choices=["truncate", "split", "pack"], default="truncate")
+    harvest.add_argument(
+        "--overflow",
+        choices=["truncate", "split", "pack"],
+        help="what a document longer than the context becomes (default: truncate; pack for --format sae-lens)",
+    )
     harvest.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to each document")
     harvest.add_argument("--text-field", default="text", help="the JSONL / dataset field holding the text")
     harvest.add_argument("--batch-size", type=int, default=8, help="rows per forward on transformers")
@@ -109,15 +120,29 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (``sys.argv[1:]`` by default)."""
-    from .errors import UnsupportedFamily
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a multi-line message's lines joined with '; ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines).replace(":; ", ": ") or type(error).__name__
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (``sys.argv[1:]`` by default).
+
+    A refusal (bad input, an unreadable file, a harvest that cannot go on) prints one line,
+    ``nnterp-vllm: error: ...``, and exits with status 2; an interrupt exits with 130.
+    """
     args = parser().parse_args(argv)
+    from .errors import UnavailableValue, UnsupportedFamily
+    from .harvest import HarvestError
+
     try:
         return args.run(args)
-    except (OSError, UnsupportedFamily, ValueError) as error:
-        print(f"nnterp-vllm {args.command}: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("nnterp-vllm: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (HarvestError, OSError, ValueError, TypeError, UnavailableValue, UnsupportedFamily) as error:
+        print(f"nnterp-vllm: error: {one_line(error)}", file=sys.stderr)
         return 2
 
 

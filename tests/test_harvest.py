@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,8 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, load_harvest
-from nnterp_vllm.harvest import HarvestError, harvest
-from nnterp_vllm.harvest import store as store_module
+from nnterp_vllm.harvest import Harvest, HarvestError, harvest
+from nnterp_vllm.harvest import layouts as layouts_module
 from nnterp_vllm.harvest.corpus import CorpusError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,7 +205,7 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     reference_out = tmp_path / "reference"
     harvest(llama, docs, ["layers.0.layer_output"], reference_out, shard_bytes=20_000, progress=False)
     out = tmp_path / "out"
-    real_write = store_module.write_tensors
+    real_write = layouts_module.write_tensors
     written = []
 
     def write_then_fill_up(path, tensors):
@@ -214,11 +215,11 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
         written.append(path)
         real_write(path, tensors)
 
-    monkeypatch.setattr(store_module, "write_tensors", write_then_fill_up)
+    monkeypatch.setattr(layouts_module, "write_tensors", write_then_fill_up)
     with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert not list(out.glob("*.tmp")) and len(list(out.glob("*.safetensors"))) == 1
-    monkeypatch.setattr(store_module, "write_tensors", real_write)
+    monkeypatch.setattr(layouts_module, "write_tensors", real_write)
     harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert shard_digests(out) == shard_digests(reference_out)
 
@@ -283,15 +284,19 @@ def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
     from nnterp_vllm import StandardizedVLLM
 
     docs = documents(7)
-    on_hf = harvest(llama_path, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "hf", progress=False)
+    values = ["layers.*.layer_output", "layers.1.mlp_output"]
+    on_hf = harvest(llama_path, docs, values, tmp_path / "hf", shard_bytes=150_000, progress=False)
     model = StandardizedVLLM(llama_path, dtype="float32", dispatch=True)
     try:
-        on_vllm = harvest(
-            model, docs, ["layers.*.layer_output", "layers.1.mlp_output"], tmp_path / "vllm", progress=False
-        )
+        on_vllm = harvest(model, docs, values, tmp_path / "vllm", shard_bytes=150_000, progress=False)
+        # A damaged shard is recomputed on this engine too, to the same bytes.
+        files = {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()}
+        (tmp_path / "vllm" / "shard-00000.safetensors").unlink()
+        harvest(model, docs, values, tmp_path / "vllm", shard_bytes=150_000, progress=False)
+        assert {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()} == files
     finally:
         model.shutdown()
-    assert on_vllm.manifest["engine"] == "vllm"
+    assert on_vllm.manifest["engine"] == "vllm" and len(on_vllm.shards) > 1
     assert torch.equal(on_vllm.load("token_ids"), on_hf.load("token_ids"))
     for name in on_hf.values:
         torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
@@ -310,3 +315,210 @@ def test_ray_workers_write_what_one_worker_writes(llama_path, tmp_path):
         assert torch.equal(fanned.load(name), single.load(name))
     for name in single.values:
         torch.testing.assert_close(fanned.load(name), single.load(name), atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ speed-minded choices
+
+
+class WeightsUsed(torch.overrides.TorchFunctionMode):
+    """Records which of some named weights any torch function was called with."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = {id(weight): name for name, weight in weights.items()}
+        self.used: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for argument in args:
+            name = self.weights.get(id(argument))
+            if name is not None and name not in self.used:
+                self.used.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_forward_stops_after_the_deepest_value(llama, tmp_path):
+    """Nothing runs past the deepest value read: the later blocks and the head never run."""
+    prompt = torch.tensor([[1, 70, 71]])
+    with llama.trace(prompt):  # dispatched: the weights are the ones that run
+        llama.logits.save()
+    layers = llama._module.model.layers
+    weights = {"layer 1": layers[1].mlp.down_proj.weight, "layer 2": layers[2].self_attn.q_proj.weight}
+    weights["head"] = llama._module.lm_head.weight
+    with WeightsUsed(weights) as seen, llama.trace(prompt):
+        llama.logits.save()
+    assert seen.used == ["layer 1", "layer 2", "head"]  # the check itself sees a whole forward
+    with WeightsUsed(weights) as seen:
+        harvest(llama, documents(4), ["layers.0.layer_output"], tmp_path / "zero", progress=False)
+    assert seen.used == []
+    with WeightsUsed(weights) as seen:
+        harvest(llama, documents(4), ["layers.1.mlp_output"], tmp_path / "one", progress=False)
+    assert seen.used == ["layer 1"]
+
+
+def test_sdpa_unless_an_attention_interior_value_is_read(llama_path, llama, tmp_path):
+    docs = documents(6)
+    values = ["layers.*.layer_output", "layers.1.mlp_output"]
+    fast = harvest(llama_path, docs, values, tmp_path / "sdpa", progress=False)
+    eager = harvest(
+        llama_path, docs, values, tmp_path / "eager", model_kwargs={"attn_implementation": "eager"}, progress=False
+    )
+    assert (fast.manifest["attention"], eager.manifest["attention"]) == ("sdpa", "eager")
+    for name in values[1:] + [f"layers.{i}.layer_output" for i in range(3)]:
+        torch.testing.assert_close(fast.load(name), eager.load(name), atol=1e-5, rtol=1e-5)
+    pattern = ["layers.1.self_attn.attention_probabilities"]
+    interior = harvest(llama_path, docs, pattern, tmp_path / "interior", context_length=48, progress=False)
+    assert interior.manifest["attention"] == "eager"
+    passed_in = harvest(llama, docs, values, tmp_path / "own", progress=False)
+    assert passed_in.manifest["attention"] == llama._module.config._attn_implementation == "eager"
+
+
+@pytest.fixture(scope="module")
+def harvests(llama, tmp_path_factory):
+    """The same corpus harvested in both layouts, packed into rows of 32 tokens."""
+    root = tmp_path_factory.mktemp("layouts")
+    values = ["layers.1.layer_output", "layers.2.mlp_output"]
+    options = {"context_length": 32, "shard_bytes": 40_000, "progress": False}
+    default = harvest(llama, documents(16, seed=7), values, root / "safetensors", overflow="pack", **options)
+    sae_lens = harvest(llama, documents(16, seed=7), values, root / "sae-lens", format="sae-lens", **options)
+    return default, sae_lens
+
+
+def test_sae_lens_layout_is_the_dataset_saelens_reads(llama, harvests, tmp_path):
+    import datasets
+
+    default, sae_lens = harvests
+    assert sae_lens.manifest["values"]["layers.1.layer_output"]["module"] == "model.layers.1"
+    assert default.manifest["values"]["layers.2.mlp_output"]["module"] == "model.layers.2.mlp"
+    dataset = datasets.load_from_disk(str(sae_lens.path))
+    assert dataset.features["model.layers.1"] == datasets.Array2D((32, 128), "float32")
+    assert dataset.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=32)
+    rows = len(dataset)
+    assert rows * 32 == len(sae_lens) and sae_lens.manifest["stats"]["left_out"] == len(default) - rows * 32 > 0
+    first = dataset.with_format("torch")[:rows]
+    torch.testing.assert_close(
+        first["model.layers.2.mlp"].reshape(-1, 128), default.load("layers.2.mlp_output")[: rows * 32]
+    )
+    assert torch.equal(first["token_ids"].reshape(-1).long(), default.load("token_ids")[: rows * 32])
+    assert torch.equal(sae_lens.load("documents"), default.load("documents")[: rows * 32])
+    # Resumable like the default layout: a lost shard is recomputed to the same bytes, dataset files included.
+    out = tmp_path / "copy"
+    shutil.copytree(sae_lens.path, out)
+    files = {path.name: path.read_bytes() for path in out.iterdir()}
+    (out / "data-00001.arrow").unlink()
+    harvest(
+        llama,
+        documents(16, seed=7),
+        sae_lens.values,
+        out,
+        format="sae-lens",
+        context_length=32,
+        shard_bytes=40_000,
+        progress=False,
+    )
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"values": ["layers.1.layer_input"]}, "layers.1.layer_input is no module's output"),
+        ({"values": ["layers.1.attention_output", "layers.1.self_attn.attention_output"]}, "both the output of"),
+        ({"context_length": None}, "give a context_length"),
+        ({"overflow": "truncate"}, "overflow must be 'pack'"),
+        ({"positions": "last"}, "positions must be 'all'"),
+        ({"dtype": "bfloat16"}, "'float32' or 'float16'"),
+    ],
+)
+def test_what_the_sae_lens_layout_cannot_hold_is_refused(llama, tmp_path, kwargs, message):
+    arguments = {"values": ["layers.1.layer_output"], "context_length": 32, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        harvest(llama, documents(3), out=tmp_path / "out", format="sae-lens", progress=False, **arguments)
+    assert not (tmp_path / "out").exists()
+
+
+#: A small shuffle buffer: 22 batches of 7 tokens of the three columns read (528 bytes a token), in 16 chunks.
+BUFFER = 160 * 528
+
+
+def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
+    allocated = []
+    empty = Harvest._empty
+
+    def recorded(columns, names, count):
+        tensors = empty(columns, names, count)
+        allocated.append(sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
+        return tensors
+
+    monkeypatch.setattr(Harvest, "_empty", staticmethod(recorded))
+    for result in harvests:
+        names = ["layers.1.layer_output", "documents", "offsets"]
+        every = {name: result.load(name) for name in names}
+        sequential = list(result.batches(7, shuffle=False, values=names))
+        assert all(len(batch["documents"]) == 7 for batch in sequential[:-1])
+        for name in names:
+            assert torch.equal(torch.cat([batch[name] for batch in sequential]), every[name])
+        # Many buffers, each filled from chunks cut where the buffer ends.
+        allocated.clear()
+        shuffled = list(result.batches(7, seed=3, values=names, buffer_bytes=BUFFER))
+        assert max(allocated) <= BUFFER  # the memory bound: one buffer (the batches are far smaller)
+        order = torch.cat([batch["documents"] * 1000 + batch["offsets"] for batch in shuffled])
+        keys = every["documents"] * 1000 + every["offsets"]
+        assert sorted(order.tolist()) == sorted(keys.tolist()) and len(set(keys.tolist())) == len(keys)
+        assert not torch.equal(order, keys)
+        position = {key: i for i, key in enumerate(keys.tolist())}
+        mine = torch.tensor([position[key] for key in order.tolist()])
+        torch.testing.assert_close(torch.cat([b["layers.1.layer_output"] for b in shuffled]), every[names[0]][mine])
+        again = torch.cat([b["documents"] for b in result.batches(7, seed=3, values=names, buffer_bytes=BUFFER)])
+        other = torch.cat([b["documents"] for b in result.batches(7, seed=4, values=names, buffer_bytes=BUFFER)])
+        assert torch.equal(again, order // 1000) and not torch.equal(other, again)
+        dropped = list(result.batches(7, seed=3, values=names, drop_last=True))
+        assert all(len(batch["offsets"]) == 7 for batch in dropped) and len(dropped) == len(keys) // 7
+    with pytest.raises(ValueError, match=r"\['nope'\] are not in this harvest"):
+        next(harvests[0].batches(7, values=["nope"]))
+
+
+TRAINER_SCRIPT = """
+import copy, json, sys
+from nnterp_vllm import load_harvest
+default, sae_lens, text, model = sys.argv[1:5]
+harvest = load_harvest(sae_lens)
+acts = harvest.load("layers.1.layer_output")
+next(load_harvest(default).batches(64))
+loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("nnsight", "vllm"))
+import torch
+from sae_lens import LanguageModelSAERunnerConfig, LanguageModelSAETrainingRunner, LoggingConfig
+from sae_lens import StandardTrainingSAE, StandardTrainingSAEConfig
+sae_config = StandardTrainingSAEConfig(d_in=128, d_sae=256, l1_coefficient=1e-3)
+config = LanguageModelSAERunnerConfig(
+    sae=sae_config, model_name=model, model_class_name="AutoModelForCausalLM",
+    hook_name=harvest.manifest["values"]["layers.1.layer_output"]["column"],
+    dataset_path=text, streaming=False, is_dataset_tokenized=False, context_size=32,
+    use_cached_activations=True, cached_activations_path=sae_lens,
+    train_batch_size_tokens=128, training_tokens=128 * 200, n_batches_in_buffer=4, store_batch_size_prompts=4,
+    lr=3e-3, device="cpu", logger=LoggingConfig(log_to_wandb=False), output_path=None, checkpoint_path=None,
+    verbose=False,
+)
+sae = StandardTrainingSAE(sae_config)
+untrained = copy.deepcopy(sae)
+def loss(model):
+    with torch.no_grad():
+        return float(((model(acts) - acts) ** 2).mean())
+trained = LanguageModelSAETrainingRunner(config, override_sae=sae).run()
+print(json.dumps({"loaded": loaded, "before": loss(untrained), "after": loss(trained)}))
+"""
+
+
+def test_saelens_trains_from_a_harvest_in_an_environment_without_nnsight(harvests, tmp_path):
+    """A trainer opens a harvest without importing nnsight or vLLM, and SAELens's own runner trains an
+    SAE from the sae-lens layout as it is (it also loads its model and a text dataset: both local here)."""
+    default, sae_lens = harvests
+    (tmp_path / "text").mkdir()
+    write_jsonl(tmp_path / "text" / "train.jsonl", documents(4))
+    arguments = [default.path, sae_lens.path, tmp_path / "text", sae_lens.manifest["model"]]
+    result = subprocess.run(
+        [sys.executable, "-c", TRAINER_SCRIPT, *map(str, arguments)], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == []
+    assert report["after"] < report["before"] / 4, report

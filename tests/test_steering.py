@@ -19,9 +19,9 @@ import tiny
 import torch
 from vllm import LLM, SamplingParams
 
-from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering
+from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering, UnsupportedFamily
 from nnterp_vllm.engines.vllm_platform import shutdown_llm
-from nnterp_vllm.steering import specs_of
+from nnterp_vllm.steering import per_prompt, specs_of
 
 STEPS = 16
 BLOCK = 32
@@ -298,6 +298,36 @@ class TestSteeredVLLM:
         assert model.llm_engine.get_num_unfinished_requests() == 0
         (output,) = model.generate(SUBJECTS[3], SamplingParams(**GREEDY))
         assert len(output.outputs[0].token_ids) == STEPS
+
+    def test_a_rendered_prompt_without_tokens_is_refused(self, family):
+        spec = Steering(0, torch.zeros(family.hf.hidden_size))
+        with pytest.raises(ValueError, match="cannot steer a prompt of type 'embeds'"):
+            family.model.steered_request({"type": "embeds"}, SamplingParams(), [spec])
+
+
+def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
+    path = tiny.checkpoint("llama")
+    refused = [
+        ({"worker_cls": "my.Worker"}, "worker_cls is refused"),
+        ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
+        ({"steering_rows_per_request": 0}, "steering_rows_per_request must be an int >= 1"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            SteeredVLLM(path, **kwargs)
+    with pytest.raises(UnsupportedFamily, match="no vLLM family for model_type 'bloom'"):
+        SteeredVLLM(tiny.checkpoint("bloom"))
+
+
+def test_steering_for_generate_is_read_per_prompt_or_for_all():
+    one, two = (Steering(0, [1.0, 2.0]) for _ in range(2))
+    assert per_prompt(None, 3) == [[], [], []]
+    assert per_prompt(one, 2) == [[one], [one]]
+    assert per_prompt([one, two], 3) == [[one, two]] * 3  # a list of specs for every prompt
+    assert per_prompt([one, None, [one, two]], 3) == [[one], [], [one, two]]  # as long as the prompts: per prompt
+    with pytest.raises(TypeError, match="None, a Steering or a list of Steering"):
+        per_prompt({"layers": 0}, 2)
 
 
 def test_importing_the_spec_loads_no_vllm():

@@ -39,7 +39,7 @@ from ..components import vllm as on_vllm
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering import EXTRA_ARGS_KEY, Steering, TokenSets, per_prompt, request_steering, specs_of, token_sets
-from .vllm_platform import engine_kwargs, is_cpu_platform, shutdown_llm
+from .vllm_platform import built_on_access, engine_kwargs, is_cpu_platform, publish, shutdown_llm
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
@@ -148,11 +148,11 @@ class Steerer:
             block.nnterp_layer_output = value
             block.register_forward_hook(steer_block)
         self.num_layers, self.hidden = len(blocks), hidden
-        self.device = device
+        # On an accelerator the rows are written on the host (pinned) and copied over each step.
         self.host_rows = (
             self.buffers.row_of_token
             if device.type == "cpu"
-            else torch.zeros_like(self.buffers.row_of_token, device="cpu", pin_memory=True)
+            else torch.zeros(tokens, dtype=torch.long, pin_memory=True)
         )
         self.host_rows_np = self.host_rows.numpy()
         self.written = 0
@@ -341,19 +341,11 @@ def _define_worker_classes() -> None:
             "steering_stats": steering_stats,
         },
     )
-    for cls in (runner_class, worker_class):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls
+    publish(globals(), runner_class, worker_class)
 
 
-def __getattr__(name: str) -> Any:
-    """Build the worker classes on first access (PEP 562), in whichever process vLLM imports them."""
-    if name in _WORKER_CLASSES:
-        _define_worker_classes()
-        if name in globals():
-            return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: The worker classes are built on first access, in whichever process vLLM imports them.
+__getattr__ = built_on_access(globals(), _WORKER_CLASSES, _define_worker_classes)
 
 
 # -- client side --------------------------------------------------------------------------------------
@@ -412,6 +404,16 @@ class SteeringClient:
 
     vllm_config: Any
 
+    @property
+    def num_layers(self) -> int:
+        """The number of standardized blocks a `Steering` can name."""
+        return self.vllm_config.model_config.hf_text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of a steering vector."""
+        return self.vllm_config.model_config.get_hidden_size()
+
     def steered_request(
         self, engine_input: dict[str, Any], params: SamplingParams, specs: Sequence[Steering]
     ) -> tuple[dict[str, Any], SamplingParams]:
@@ -421,11 +423,10 @@ class SteeringClient:
         returns copies: the steering in ``extra_args``, its cache salt in the prompt (after any salt the
         prompt had). With no specs both come back as they are.
         """
-        model_config = self.vllm_config.model_config
         made = request_steering(
             specs,
-            model_config.hf_text_config.num_hidden_layers,
-            model_config.get_hidden_size(),
+            self.num_layers,
+            self.hidden_size,
             _prompt_length(engine_input),
             self.vllm_config.additional_config[CONFIG_KEY]["rows_per_request"],
         )
@@ -445,7 +446,10 @@ def _prompt_length(engine_input: dict[str, Any]) -> int:
         return len(engine_input["prompt_token_ids"])
     if "prompt_embeds" in engine_input:
         return int(engine_input["prompt_embeds"].shape[0])
-    raise ValueError(f"Steering: cannot steer a prompt of type {engine_input.get('type')!r}")
+    raise ValueError(
+        f"Steering: cannot steer a prompt of type {engine_input.get('type')!r} without prompt_token_ids or "
+        "prompt_embeds; pass text, token ids, or a prompt rendered by vLLM's renderer"
+    )
 
 
 class SteeredVLLM(SteeringClient, LLM):

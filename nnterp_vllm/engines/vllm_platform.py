@@ -344,15 +344,30 @@ def _define_worker_classes() -> None:
     for name in _NNSIGHT_RPC_METHODS:
         setattr(NNsightCPUWorker, name, getattr(NNsightGPUWorker, name))
 
-    for cls in (NNsightCPUModelRunner, NNsightCUDAModelRunner, NNsightCPUWorker, NNsightCUDAWorker):
-        cls.__module__ = __name__
+    publish(globals(), NNsightCPUModelRunner, NNsightCUDAModelRunner, NNsightCPUWorker, NNsightCUDAWorker)
+
+
+def publish(namespace: dict[str, Any], *classes: type) -> None:
+    """Bind classes built at run time into a module's ``namespace`` under their own names, so that vLLM
+    (by dotted path, in every worker process) and pickle find them there."""
+    for cls in classes:
+        cls.__module__ = namespace["__name__"]
         cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls
+        namespace[cls.__name__] = cls
 
 
-def __getattr__(name: str) -> Any:
-    """Build the worker classes on first access (PEP 562); see the module docstring."""
-    if name in _WORKER_CLASSES:
-        _define_worker_classes()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def built_on_access(namespace: dict[str, Any], names: tuple[str, ...], define: Any) -> Any:
+    """A module ``__getattr__`` (PEP 562) that runs ``define()`` on the first access to one of ``names``."""
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - a module's __getattr__
+        if name in names:
+            define()
+            if name in namespace:
+                return namespace[name]
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+#: The worker classes are built on first access; see the module docstring.
+__getattr__ = built_on_access(globals(), _WORKER_CLASSES, _define_worker_classes)

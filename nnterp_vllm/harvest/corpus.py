@@ -9,10 +9,13 @@ ahead of what the consumer asks for, and two passes over the same corpus give th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import json
 import numbers
 import os
 import sys
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +101,8 @@ class CorpusStats:
     split: int = 0
     rows: int = 0
     tokens: int = 0
+    #: Tokens of rows left out because a layout holds whole context rows only (packing's last, short row).
+    left_out: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counts as a JSON-serializable dict, for the manifest."""
@@ -286,6 +291,81 @@ def _from_record(record: Mapping[str, Any], index: int, source: str, settings: C
     if not isinstance(text, str):
         raise CorpusError(f"{source}: expected {settings.text_field!r} to be a string, got {type(text).__name__}")
     return Document(index=index, source=source, text=text, token_ids=None)
+
+
+# ---------------------------------------------------------------------------------------------- a harvest's corpus
+
+
+class Digested:
+    """Documents passed through unchanged, with a running SHA-256 of their content (text or token ids), in order."""
+
+    def __init__(self, documents: Iterable[Document]) -> None:
+        self._documents = documents
+        self._digest = hashlib.sha256()
+
+    def __iter__(self) -> Iterator[Document]:
+        for document in self._documents:
+            self._digest.update(_content(document))
+            yield document
+
+    def hexdigest(self) -> str:
+        """The digest of every document read so far."""
+        return self._digest.hexdigest()
+
+
+def _content(document: Document) -> bytes:
+    if document.token_ids is not None:
+        try:
+            data = array("q", document.token_ids).tobytes()
+        except (TypeError, OverflowError):  # not ints: `rows` refuses them, naming the source
+            data = repr(document.token_ids).encode()
+        kind = b"ids"
+    else:
+        data = (document.text or "").encode("utf-8", "surrogatepass")
+        kind = b"text"
+    return kind + len(data).to_bytes(8, "little") + data
+
+
+class Corpus:
+    """A corpus opened for a harvest: its kind, its existence and its first document checked at once.
+
+    Each `read` is a new pass over the documents (`Digested`, so the pass carries a digest of
+    what it read). A one-shot iterable (an iterator or a generator) is read exactly once: its
+    first document, read to check it, is handed on to that one pass, and a second `read` is
+    refused.
+    """
+
+    def __init__(self, corpus: Any, settings: ContextSettings) -> None:
+        self.source = corpus
+        self.settings = settings
+        self.one_shot = isinstance(corpus, Iterator)
+        documents = read_documents(corpus, settings=settings)
+        first = next(documents, None)
+        if first is None:
+            raise CorpusError(f"{self.description}: holds no documents")
+        if self.one_shot:
+            self._unread: Iterator[Document] | None = itertools.chain([first], documents)
+        else:
+            documents.close()
+            self._unread = None
+
+    @property
+    def description(self) -> str:
+        """What the corpus is, for the manifest and messages: a path, or the kind of object."""
+        if isinstance(self.source, str | os.PathLike):
+            return str(Path(self.source).resolve())
+        if _is_dataset(self.source):
+            return f"datasets.Dataset ({len(self.source)} rows)"
+        return f"in-memory {type(self.source).__name__}"
+
+    def read(self) -> Digested:
+        """A pass over the documents, in order."""
+        if not self.one_shot:
+            return Digested(read_documents(self.source, settings=self.settings))
+        if self._unread is None:
+            raise CorpusError(f"{self.description}: a one-shot iterable, already read once")
+        documents, self._unread = self._unread, None
+        return Digested(documents)
 
 
 # ---------------------------------------------------------------------------------------------- rows

@@ -4,26 +4,32 @@ The corpus becomes context rows (`corpus`), the rows become shards of about
 ``shard_bytes`` each, cut at row boundaries in corpus order: the plan depends on the
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
 workers write the same shards. A shard is computed in batches (rows sorted by length on
-transformers, one invoke per row on vLLM) and written atomically, then recorded in the
-manifest.
+transformers, one invoke per row on vLLM, each forward stopped after the deepest value read)
+and written atomically in the chosen layout (`layouts`), then recorded in the manifest. On
+transformers a checkpoint is loaded with sdpa attention unless an attention-interior value is
+read (then eager, which exposes it). Each unit carries the digest of the corpus read up to its cut, which its record
+keeps: a rerun compares those before it trusts (skips) a recorded shard.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import torch
 
-from .corpus import ContextSettings, CorpusError, CorpusStats, Row, read_documents, rows
-from .selection import Selection, parse, token_shape
-from .store import Harvest, HarvestError, Store, load_harvest, write_shard
+from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
+from .layouts import FORMATS
+from .reader import Harvest, load_harvest
+from .resume import Resume
+from .selection import ATTENTION_INTERIOR, Selection, Selector, check_selectors, parse, token_shape
+from .store import OVERWRITE, HarvestError, Store, positive_int, write_shard
 
 ENGINES = ("transformers", "vllm")
 Positions = str | Callable[[list[int]], list[bool]]
@@ -35,6 +41,8 @@ class Unit:
 
     index: int
     rows: list[Row] = field(default_factory=list)
+    #: The digest of the corpus as read when this unit was cut (see `plan`).
+    corpus_sha256: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -51,13 +59,27 @@ class Job:
     context_length: int | None
     dtype: str
     batch_size: int
+    #: The manifest's settings: the layout a shard is written in follows from them.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def attention_for(selectors: list[Selector]) -> str:
+    """The attention implementation a transformers harvest of ``selectors`` loads a checkpoint with:
+    eager where an attention-interior value is read (only eager exposes them all), else sdpa."""
+    interior = any(selector.key.rsplit(".", 1)[-1] in ATTENTION_INTERIOR for selector in selectors)
+    return "eager" if interior else "sdpa"
+
+
+def attention_of(model: Any) -> str:
+    """The attention implementation ``model`` runs: the transformers config's, or vLLM's own kernels."""
+    if model.ENGINE == "vllm":
+        return "vllm"
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
 def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
     """A standardized model: ``model`` itself, or built from a checkpoint on ``engine``."""
-    engine = "transformers" if engine == "hf" else engine
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    engine = _engine(engine)
     if not isinstance(model, (str, Path)):
         return model
     kwargs = dict(model_kwargs or {})
@@ -71,15 +93,30 @@ def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = No
     return StandardizedTransformer(model, dispatch=dispatch, **kwargs)
 
 
-def plan(row_stream: Iterator[Row], tokens_per_shard: int) -> Iterator[Unit]:
-    """Cut rows, in corpus order, into units of at least ``tokens_per_shard`` tokens (the last one short)."""
+def whole_rows(row_stream: Iterator[Row], length: int, stats: CorpusStats) -> Iterator[Row]:
+    """The rows of exactly ``length`` tokens; a shorter (packing's last) row is left out and counted."""
+    for row in row_stream:
+        if len(row) == length:
+            yield row
+        else:
+            stats.left_out += len(row)
+
+
+def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], str] | None = None) -> Iterator[Unit]:
+    """Cut rows, in corpus order, into units of at least ``tokens_per_shard`` tokens (the last one short).
+
+    ``digest``, if given, is asked at each cut for the digest of the corpus read so far, and the
+    unit keeps it: reading is lazy and in a fixed order, so the same corpus gives the same digests.
+    """
     unit = Unit(0)
     for row in row_stream:
         unit.rows.append(row)
         if unit.tokens >= tokens_per_shard:
+            unit.corpus_sha256 = digest() if digest else None
             yield unit
             unit = Unit(unit.index + 1)
     if unit.rows:
+        unit.corpus_sha256 = digest() if digest else None
         yield unit
 
 
@@ -130,13 +167,18 @@ def batches(unit_rows: list[Row], batch_size: int, pad: int) -> Iterator[tuple[l
 
 def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
     """Values per row, in row order, computed in `batches`."""
+    import nnsight
+
     results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
-        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}):
+        # No KV cache to build, and nothing runs past the deepest value read (the rest of the
+        # blocks, the final norm and the head are skipped).
+        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}, use_cache=False) as tracer:
             saved = nnsight.save({})
             for selection in job.selections:
                 saved[selection.name] = selection.read(model)
+            tracer.stop()
         for slot, i in enumerate(batch):
             length = len(unit_rows[i].token_ids)
             results[i] = {
@@ -148,12 +190,16 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
 
 def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
     """One invoke per row, all in one engine call; values per row, in row order."""
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=1) as tracer:
         saved = nnsight.save({})
         for number, row in enumerate(unit_rows):
             with tracer.invoke(list(row.token_ids)):
                 for selection in job.selections:
                     saved[(number, selection.name)] = selection.read(model)
+                # Ends this request's worker: it is not served the logits or the sampled token.
+                tracer.stop()
     return [
         {
             selection.name: selection.per_token(saved[(number, selection.name)], len(row.token_ids), job.context_length)
@@ -173,13 +219,14 @@ def shard_record(unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, Any]
         "tokens": int(tensors["token_ids"].shape[0]),
         "first_document": min(documents),
         "last_document": max(documents),
+        "corpus_sha256": unit.corpus_sha256,
     }
 
 
 def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     """Compute and write one shard; its manifest record."""
     tensors = compute(model, unit, job)
-    return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors))
+    return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors), job.settings)
 
 
 class Progress:
@@ -203,26 +250,100 @@ class Progress:
     def summary(self, out: Path) -> str:
         self.bar.close()
         seconds = max(time.perf_counter() - self.start, 1e-9)
+        left_out = f", {self.stats.left_out} tokens of a last short row left out" if self.stats.left_out else ""
         return (
             f"harvested {self.tokens} tokens in {self.shards} new shards from {self.stats.documents} documents "
-            f"({self.stats.empty} empty skipped, {self.stats.truncated} truncated, {self.stats.split} split) "
+            f"({self.stats.empty} empty skipped, {self.stats.truncated} truncated, {self.stats.split} split{left_out}) "
             f"at {self.tokens / seconds:.1f} tokens/s into {out}"
         )
 
 
-def _fingerprint(corpus: Any) -> str:
-    """What identifies the corpus for a resumed run: a path and its size, or a digest of an in-memory corpus."""
-    if isinstance(corpus, (str, Path)):
-        path = Path(corpus)
-        if not path.exists():
-            raise CorpusError(f"cannot read the corpus {path}: no such file or directory")
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-        return f"{path.resolve()} ({size} bytes)"
-    fingerprint = getattr(corpus, "_fingerprint", None)
-    if fingerprint is not None:
-        return f"datasets.Dataset {fingerprint}"
-    digest = hashlib.sha256(json.dumps(list(corpus), sort_keys=True).encode()).hexdigest()[:16]
-    return f"in-memory corpus {digest}"
+def torch_dtype(name: Any, what: str) -> str:
+    """``name`` if it names a torch dtype (``"float16"``...), else ValueError naming ``what``."""
+    if not isinstance(name, str) or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"{what} must name a torch dtype such as 'float16', 'bfloat16' or 'float32', got {name!r}")
+    return name
+
+
+def _engine(engine: Any) -> str:
+    """The engine's name (``"hf"`` is ``"transformers"``); ValueError for another."""
+    engine = "transformers" if engine == "hf" else engine
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES} (or 'hf')")
+    return engine
+
+
+def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **counts: Any) -> None:
+    """Refuse arguments no harvest could run with, before anything is loaded or created."""
+    standardized = sys.modules.get("nnterp_vllm.standardized")  # a loaded model exists only if it is imported
+    if not isinstance(model, str | os.PathLike) and not (standardized and isinstance(model, standardized.Standardized)):
+        raise TypeError(
+            "model must be a checkpoint directory or hub id, or a StandardizedTransformer / StandardizedVLLM, "
+            f"not a {type(model).__name__}"
+        )
+    if not isinstance(out, str | os.PathLike):
+        raise TypeError(f"out must be a directory path, not {out!r}")
+    if positions not in ("all", "last") and not callable(positions):
+        raise ValueError(f"positions must be 'all', 'last' or a function of a row's token ids, got {positions!r}")
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict of keyword arguments, not {model_kwargs!r}")
+    for what, value in counts.items():
+        positive_int(value, what)
+
+
+def _check_format(
+    format: Any, context_length: int | None, overflow: str | None, positions: Any, dtype: str | None
+) -> str:
+    """The overflow mode ``format`` runs with; ValueError for what the format cannot hold."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format != "sae-lens":
+        return overflow or "truncate"
+    why = "format='sae-lens' holds one row per sequence of exactly context_length tokens"
+    if context_length is None:
+        raise ValueError(f"{why}: give a context_length (--context-length)")
+    if overflow not in (None, "pack"):
+        raise ValueError(f"{why}: overflow must be 'pack' (the default for this format), not {overflow!r}")
+    if positions != "all":
+        raise ValueError(f"{why}: positions must be 'all', not {positions!r}")
+    if dtype not in (None, "float32", "float16"):
+        raise ValueError(f"format='sae-lens' stores 'float32' or 'float16' activations, not dtype={dtype!r}")
+    return "pack"
+
+
+def _value_entries(selections: list[Selection], model: Any, context_length: int | None, format: str) -> dict:
+    """The manifest's ``values``: each value's per-token shape and module path (and, for sae-lens, its column)."""
+    entries: dict[str, dict[str, Any]] = {}
+    columns: dict[str, str] = {}
+    for selection in selections:
+        module = selection.module_path(model)
+        entry = {"shape": token_shape(selection, model, context_length), "module": module}
+        if format == "sae-lens":
+            if module is None:
+                raise ValueError(
+                    f"{selection.name} is no module's output, and SAELens names activations by the module it hooks: "
+                    "harvest a layer_output, attention_output or mlp_output (or the default format)"
+                )
+            if module in columns:
+                raise ValueError(f"{columns[module]} and {selection.name} are both the output of {module}: keep one")
+            columns[module] = selection.name
+            entry["column"] = module
+        entries[selection.name] = entry
+    return entries
+
+
+def _units(
+    documents: Digested,
+    tokenizer: Any,
+    settings: ContextSettings,
+    tokens_per_shard: int,
+    whole: bool,
+    stats: CorpusStats,
+) -> Iterator[Unit]:
+    row_stream = rows(documents, tokenizer, settings, stats)
+    if whole:
+        row_stream = whole_rows(row_stream, settings.context_length, stats)
+    return plan(row_stream, tokens_per_shard, documents.hexdigest)
 
 
 def harvest(
@@ -232,9 +353,10 @@ def harvest(
     out: Path | str,
     *,
     engine: str = "transformers",
+    format: str = "safetensors",
     positions: Positions = "all",
     context_length: int | None = None,
-    overflow: str = "truncate",
+    overflow: str | None = None,
     add_bos: bool = True,
     text_field: str = "text",
     batch_size: int = 8,
@@ -250,15 +372,25 @@ def harvest(
 
     Args:
         model: A checkpoint directory (or hub id), or a StandardizedTransformer / StandardizedVLLM.
+            A checkpoint loads on transformers with sdpa attention, or eager when an attention-interior
+            value (queries, keys, values, scores, probabilities, premix, head outputs) is selected;
+            ``model_kwargs={"attn_implementation": ...}`` overrides. A model passed in keeps its own.
+            The manifest's ``attention`` says what ran.
         corpus: A .txt file (a document per line), a directory of .txt files, a .jsonl file, a
             ``datasets`` dataset (object or saved directory), or a list of texts or of token-id lists.
         values: Selectors such as ``layers.*.layer_output``, ``layers.6.mlp_output``,
             ``layers.3.self_attn.attention_probabilities``, ``final_norm_output``.
         out: The output directory; a rerun of the same command resumes it.
         engine: ``"transformers"`` (or ``"hf"``) or ``"vllm"``, for a checkpoint path.
+        format: ``"safetensors"`` shards (the default), or ``"sae-lens"``: the directory is a
+            ``datasets`` dataset that SAELens's cached-activation training reads as it is (one row per
+            sequence of exactly ``context_length`` tokens, a column per value named by its module path;
+            see `layouts`). It needs a ``context_length``, packs documents into rows (``overflow="pack"``,
+            the last short row is left out and counted), keeps every position, and stores float32 or float16.
         positions: ``"all"`` tokens, the ``"last"`` token of each row, or a function from a row's
             token ids to one keep-flag per token.
-        context_length, overflow, add_bos, text_field: How documents become rows (see `ContextSettings`).
+        context_length, overflow, add_bos, text_field: How documents become rows (see `ContextSettings`);
+            ``overflow`` defaults to ``"truncate"`` (``"pack"`` for the sae-lens format).
         batch_size: Rows per forward on transformers.
         shard_bytes: About how large a shard grows before it is cut (at a row boundary).
         dtype: The dtype activations are stored in (``"float16"``, ``"bfloat16"``, ``"float32"``);
@@ -269,66 +401,86 @@ def harvest(
         model_kwargs: For building the model from a checkpoint (``dtype``, ``device_map``, ...).
         progress: Show a progress bar (the summary line is printed regardless).
     """
-    values = [values] if isinstance(values, str) else list(values)
-    if positions not in ("all", "last") and not callable(positions):
-        raise ValueError(f"positions must be 'all', 'last' or a function of a row's token ids, got {positions!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    selectors = check_selectors(values, context_length)
+    _check_arguments(
+        model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
+    )
+    engine = _engine(engine)
+    if dtype is not None:
+        torch_dtype(dtype, "dtype")
+    overflow = _check_format(format, context_length, overflow, positions, dtype)
     settings = ContextSettings(context_length=context_length, overflow=overflow, add_bos=add_bos, text_field=text_field)
     distributed = workers > 1 or ray_address is not None
-    if distributed and not isinstance(model, (str, Path)):
+    if distributed and not isinstance(model, str | Path):
         raise ValueError("workers > 1 builds one model per Ray worker: pass a checkpoint path, not a loaded model")
-    checkpoint = model
-    model = load_model(model, engine, model_kwargs, dispatch=not distributed)
-    selections = parse(values, model, context_length)
-    dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype such as 'float16', 'bfloat16' or 'float32', got {dtype!r}")
-    shapes = {selection.name: token_shape(selection, model, context_length) for selection in selections}
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = sum(int(torch.tensor(shape).prod()) for shape in shapes.values()) * itemsize
-    model_name = str(checkpoint) if isinstance(checkpoint, (str, Path)) else str(model.config._name_or_path)
-    store = Store(
-        out,
-        {
-            "model": model_name,
-            "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
-            "engine": model.ENGINE,
-            "dtype": dtype,
-            "values": {name: {"shape": shape} for name, shape in shapes.items()},
-            "positions": positions
-            if isinstance(positions, str)
-            else f"mask from {getattr(positions, '__name__', positions)!s}",
-            "context": settings.as_dict(),
-            "shard_bytes": shard_bytes,
-            "corpus": _fingerprint(corpus),
-        },
-        overwrite=overwrite,
-    )
-    job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size)
-    stats = CorpusStats()
-    units = plan(
-        rows(read_documents(corpus, settings=settings), model.tokenizer, settings, stats),
-        max(1, shard_bytes // per_token),
-    )
-    bar = Progress(progress, stats)
-    todo = (unit for unit in units if unit.index not in store.done)
+    source = Corpus(corpus, settings)
+    model_kwargs = dict(model_kwargs or {})
+    if engine == "transformers" and isinstance(model, str | Path):
+        model_kwargs.setdefault("attn_implementation", attention_for(selectors))
+    with Store(out, overwrite) as store:
+        checkpoint = model
+        model = load_model(model, engine, model_kwargs, dispatch=not distributed)
+        selections = parse(selectors, model, context_length)
+        dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
+        if format == "sae-lens" and dtype not in ("float32", "float16"):
+            raise ValueError(
+                f"format='sae-lens' stores 'float32' or 'float16' activations: the model's {dtype} "
+                "cannot be; pass dtype='float32' or dtype='float16'"
+            )
+        entries = _value_entries(selections, model, context_length, format)
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        per_token = sum(int(torch.tensor(entry["shape"]).prod()) for entry in entries.values()) * itemsize
+        model_name = str(checkpoint) if isinstance(checkpoint, str | Path) else str(model.config._name_or_path)
+        store.begin(
+            {
+                "model": model_name,
+                "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
+                "engine": model.ENGINE,
+                "attention": attention_of(model),
+                "dtype": dtype,
+                "format": format,
+                "values": entries,
+                "positions": positions
+                if isinstance(positions, str)
+                else f"mask from {getattr(positions, '__name__', positions)!s}",
+                "context": settings.as_dict(),
+                "shard_bytes": shard_bytes,
+                "corpus": source.description,
+            }
+        )
+        tokens_per_shard = max(1, shard_bytes // per_token)
+        whole = format == "sae-lens"
+        resume = Resume(store)
+        if resume.needs_proof():
+            if source.one_shot:
+                raise HarvestError(
+                    f"{store.out} has shards to compute before shards already recorded; checking that the corpus "
+                    "still matches those takes a pass of its own, and a one-shot iterable (a generator) can be "
+                    f"read only once: pass a list, a file or a dataset, or use {OVERWRITE}"
+                )
+            documents = source.read()
+            units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, CorpusStats())
+            resume.prove_recorded(units, documents)
+        job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size, store.settings)
+        stats = CorpusStats()
+        documents = source.read()
+        units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, stats)
+        bar = Progress(progress, stats)
+        todo = resume.pending(units, documents)
 
-    def finished(unit_index: int, record: dict[str, Any]) -> None:
-        store.add(unit_index, record, stats.as_dict())
-        bar.shard_done(record["tokens"])
+        def finished(unit_index: int, record: dict[str, Any]) -> None:
+            store.add(unit_index, record, stats.as_dict())
+            bar.shard_done(record["tokens"])
 
-    if distributed:
-        from .fanout import run_on_ray
+        if distributed:
+            from .fanout import run_on_ray
 
-        run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs or {}, finished)
-    else:
-        for unit in todo:
-            finished(unit.index, run_unit(model, unit, job))
-    store.finish(stats.as_dict())
-    print(bar.summary(store.out))
+            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished)
+        else:
+            for unit in todo:
+                finished(unit.index, run_unit(model, unit, job))
+        store.finish(stats.as_dict(), documents.hexdigest())
+        print(bar.summary(store.out))
     return load_harvest(store.out)
 
 

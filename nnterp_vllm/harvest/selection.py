@@ -41,6 +41,27 @@ BLOCK_ORDER = (
 HEADS_FIRST = {"attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities"}
 #: Values with a key axis as long as the row: padded to the context length on disk.
 PATTERNS = {"attention_scores", "attention_probabilities"}
+#: Values inside the attention computation: only eager attention exposes them all.
+ATTENTION_INTERIOR = {
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_premix",
+    "attention_head_outputs",
+}
+#: Values that are, by meaning, one module's output (SAELens hooks a transformers model by module).
+MODULE_OUTPUTS = {
+    "layer_output",
+    "attention_output",
+    "self_attn.attention_output",
+    "mlp_output",
+    "mlp.mlp_output",
+    "token_embeddings",
+    "final_norm_output",
+    "lm_head_output",
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,28 @@ class Selection:
             host = getattr(host, part)
         return host
 
+    def module_path(self, model: Any) -> str | None:
+        """The path of the module whose output this value is, as the model names it (``model.layers.6``
+        for ``layers.6.layer_output`` on a llama), following the family to where the value lives; None
+        for a value that is no module's whole output (a block's input, the attention interior, logits)."""
+        from ..components.values import Delegate
+
+        if self.key not in MODULE_OUTPUTS:
+            return None
+        host = model if self.layer is None else model.layers[self.layer]
+        *parents, name = self.key.split(".")
+        for part in parents:
+            host = getattr(host, part)
+        descriptor = getattr(type(host), name)
+        while isinstance(descriptor, Delegate):
+            host = descriptor.host_of(host)
+            descriptor = getattr(type(host), descriptor.target)
+        location, attribute = descriptor.locate(host)
+        root = f"{model.path}."
+        if attribute != "output" or ".source." in location or not location.startswith(root):
+            return None
+        return location.removeprefix(root).removesuffix(".output")
+
     def per_token(self, value: torch.Tensor, length: int, context_length: int | None) -> torch.Tensor:
         """One row's value as ``[tokens, ...]``: the first ``length`` positions, patterns padded to the context."""
         if self.value in HEADS_FIRST:
@@ -82,54 +125,101 @@ class Selection:
         return value
 
 
-def _layers(part: str, count: int, selector: str) -> list[int]:
+ROOT_VALUES = (*ROOT_BEFORE_LAYERS, *ROOT_AFTER_LAYERS)
+LAYER_PART = "an index, '*', a range 'a-b' with a <= b, or a list of those such as '1,4-6'"
+
+
+#: Every value a selector may name, for error messages.
+KNOWN = ", ".join([*ROOT_VALUES, *(f"layers.<i>.{key}" for key in BLOCK_ORDER)])
+
+
+def _layer_ranges(part: str, selector: str) -> list[tuple[int, int]] | None:
+    """The ``(first, last)`` ranges a layer part names (None for ``*``), checked without a model."""
     if part == "*":
-        return list(range(count))
-    chosen: list[int] = []
+        return None
+    pieces = []
     for piece in part.split(","):
         bounds = piece.split("-")
-        if not all(bound.isdigit() for bound in bounds) or len(bounds) > 2:
-            raise ValueError(
-                f"{selector!r}: the layer part {part!r} must be an index, '*', a range 'a-b' or a list 'a,b'"
-            )
+        if len(bounds) > 2 or not all(bound.isascii() and bound.isdigit() for bound in bounds):
+            raise ValueError(f"{selector!r}: the layer part {part!r} is not {LAYER_PART}")
         first, last = int(bounds[0]), int(bounds[-1])
-        chosen.extend(range(first, last + 1))
-    bad = [layer for layer in chosen if layer >= count]
-    if bad:
-        raise ValueError(
-            f"{selector!r}: layer(s) {bad} do not exist; the model has num_layers={count} (0..{count - 1})"
-        )
-    return chosen
+        if first > last:
+            raise ValueError(f"{selector!r}: the range {piece!r} runs backwards; write '{last}-{first}'")
+        pieces.append((first, last))
+    return pieces
 
 
-def parse(selectors: Iterable[str], model: Any, context_length: int | None) -> list[Selection]:
+@dataclass(frozen=True)
+class Selector:
+    """A selector's parts, its syntax checked: a root value, or a block value with its layer ranges."""
+
+    text: str
+    key: str
+    ranges: tuple[tuple[int, int], ...] | None = None  # (first, last) pairs; None: every layer
+    root: bool = False
+
+    @classmethod
+    def of(cls, selector: Any) -> Selector:
+        """``selector`` split into its parts; refuses one that no model could have."""
+        if isinstance(selector, Selector):
+            return selector
+        if not isinstance(selector, str):
+            raise TypeError(
+                f"a value to harvest is a selector string such as 'layers.*.layer_output', not {selector!r}"
+            )
+        if selector in ROOT_VALUES:
+            return cls(selector, selector, root=True)
+        parts = selector.split(".", 2)
+        if parts[0] != "layers" or len(parts) < 3 or parts[2] not in BLOCK_ORDER:
+            raise ValueError(f"unknown value {selector!r}; the values to harvest are: {KNOWN}")
+        ranges = _layer_ranges(parts[1], selector)
+        return cls(selector, parts[2], None if ranges is None else tuple(ranges))
+
+    def layers(self, count: int) -> list[int]:
+        """The layer indices named, checked against a model of ``count`` layers."""
+        layers = list(range(count)) if self.ranges is None else [i for a, b in self.ranges for i in range(a, b + 1)]
+        bad = sorted({layer for layer in layers if layer >= count})
+        if bad:
+            raise ValueError(
+                f"{self.text!r}: layer(s) {bad} do not exist; the model has num_layers={count} (0..{count - 1})"
+            )
+        return layers
+
+
+def check_selectors(selectors: Iterable[str] | str, context_length: int | None) -> list[Selector]:
+    """The selectors, their syntax checked before any model is loaded.
+
+    Raises ValueError (TypeError for a selector that is not a string) naming the selector and
+    what would be right: an unknown value, a malformed or backwards layer part, a pattern without
+    a context length. Layer ranges and availability are checked against the model by `parse`.
+    """
+    selectors = [selectors] if isinstance(selectors, str) else selectors
+    if not isinstance(selectors, Iterable):
+        raise TypeError(f"values must be a selector string or a list of them, not {selectors!r}")
+    parsed = [Selector.of(selector) for selector in selectors]
+    if not parsed:
+        raise ValueError(f"no values to harvest; choose from: {KNOWN}")
+    for selector in parsed:
+        if selector.key.rsplit(".", 1)[-1] in PATTERNS and context_length is None:
+            raise ValueError(f"{selector.text}: harvesting a pattern needs a context length (--context-length)")
+    return parsed
+
+
+def parse(selectors: Iterable[str] | str, model: Any, context_length: int | None) -> list[Selection]:
     """The selections ``selectors`` name on ``model``, in forward order; refuses unknown or unavailable values."""
     table = model.support()
-    block_names = [key for key in BLOCK_ORDER if key in table]
-    root_names = [key for key in (*ROOT_BEFORE_LAYERS, *ROOT_AFTER_LAYERS) if key in table]
-    available = ", ".join([*root_names, *(f"layers.<i>.{key}" for key in block_names)])
     chosen: dict[str, Selection] = {}
-    selectors = list(selectors)
-    if not selectors:
-        raise ValueError(f"no values to harvest; choose from: {available}")
-    for selector in selectors:
-        if selector.startswith("layers."):
-            parts = selector.split(".", 2)
-            if len(parts) < 3 or parts[2] not in block_names:
-                raise ValueError(f"unknown value {selector!r}; the values to harvest are: {available}")
-            selections = [Selection(layer, parts[2]) for layer in _layers(parts[1], model.num_layers, selector)]
-        elif selector in root_names:
-            selections = [Selection(None, selector)]
+    for selector in check_selectors(selectors, context_length):
+        if selector.root:
+            selections = [Selection(None, selector.key)]
         else:
-            raise ValueError(f"unknown value {selector!r}; the values to harvest are: {available}")
+            selections = [Selection(layer, selector.key) for layer in selector.layers(model.num_layers)]
         for selection in selections:
-            reason = table[selection.key]
+            reason = table.get(selection.key, f"this model has no {selection.key}")
             if isinstance(reason, dict):
                 reason = reason.get(selection.layer)
             if reason:
                 raise ValueError(f"{selection.name} is not available on this model: {reason}")
-            if selection.value in PATTERNS and context_length is None:
-                raise ValueError(f"{selection.name}: harvesting a pattern needs a context length (--context-length)")
             chosen[selection.name] = selection
     return sorted(chosen.values(), key=Selection.order)
 

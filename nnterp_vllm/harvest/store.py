@@ -1,37 +1,69 @@
-"""The on-disk form of a harvest: sharded safetensors files and a JSON manifest, written atomically.
+"""The output directory of a harvest: shards and a JSON manifest, written atomically, held by one writer.
 
-A directory holds ``manifest.json`` and ``shard-NNNNN.safetensors`` files. Each shard holds,
-for its tokens in corpus order, ``token_ids``, ``documents`` (the document each token came
-from), ``offsets`` (its position in that document), ``rows`` (the context row it was run in)
-and one tensor per harvested value, ``[tokens, ...]``. A shard is written under a temporary
-name and renamed; the manifest is rewritten (also by rename) after every shard, so a run
-killed at any moment leaves only whole shards behind, and the next run picks up after them.
+A directory holds ``manifest.json`` and one file per shard, in the harvest's layout
+(`layouts`: ``shard-NNNNN.safetensors`` files, or the arrow files of a SAELens dataset). Each
+shard holds, for its tokens in corpus order, ``token_ids``, ``documents`` (the document each
+token came from), ``offsets`` (its position in that document), ``rows`` (the context row it
+was run in) and one tensor per harvested value. A shard is written under a temporary name and
+renamed; the manifest is rewritten (also by rename) after every shard, so a run killed at any
+moment leaves only whole shards behind, and the next run picks up after them.
+
+A run holds an exclusive lock on the directory (``.lock``, through ``flock``), so a second
+writer is refused; temporary files carry the writing process's id. A rerun trusts nothing it
+has not checked: every recorded shard is checked for existence, size and checksum (a bad one
+is recomputed), and each shard's record carries a digest of the corpus read up to it, so a
+corpus edited since is refused with the shard where it first differs.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from .layouts import SaeLens, Safetensors, layout_of
+
 MANIFEST = "manifest.json"
-FORMAT = 1
+LOCK = ".lock"
+#: The manifest's layout version; this version writes 2 and reads 1 and 2.
+VERSION = 2
+READABLE = (1, 2)
 #: Manifest keys that must match for a run to continue a directory.
-SETTINGS = ("model", "config_hash", "engine", "dtype", "values", "positions", "context", "shard_bytes", "corpus")
+SETTINGS = (
+    "model",
+    "config_hash",
+    "engine",
+    "attention",
+    "dtype",
+    "format",
+    "values",
+    "positions",
+    "context",
+    "shard_bytes",
+)
+RECORD_KEYS = ("index", "file", "bytes", "sha256", "tokens")
+OVERWRITE = "overwrite=True (--overwrite)"
+
+log = logging.getLogger("nnterp_vllm.harvest")
 
 
 class HarvestError(RuntimeError):
     """A harvest that cannot start or go on: other settings in the directory, an unwritable output."""
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
+def positive_int(value: Any, what: str) -> int:
+    """``value`` if it is a positive int (not a bool), else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
 
 
 def sha256(path: Path) -> str:
@@ -42,28 +74,164 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_json(path: Path, content: dict[str, Any]) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps(content, indent=2, sort_keys=True))
-    os.replace(staging, path)
+def staging(path: Path) -> Path:
+    """A temporary name next to ``path``, unique to this process (and call)."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def write_json(path: Path, content: dict[str, Any], sort_keys: bool = True) -> None:
+    """Write ``content`` as JSON at ``path`` atomically (a temporary file, then a rename)."""
+    temporary = staging(path)
+    try:
+        temporary.write_text(json.dumps(content, indent=2, sort_keys=sort_keys))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def version(manifest: dict[str, Any]) -> int:
+    """The manifest's layout version (version 1 spelled it ``format``)."""
+    return manifest.get("version", manifest.get("format") if isinstance(manifest.get("format"), int) else None)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of the harvest in ``directory``; HarvestError naming the file and the fix if it is damaged."""
+    path = Path(directory) / MANIFEST
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise HarvestError(f"{directory} holds no harvest: {MANIFEST} is missing") from None
+    except OSError as error:
+        raise HarvestError(f"cannot read {path}: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise _damaged(path, f"not UTF-8 text at byte {error.start}") from error
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _damaged(path, f"{error.msg}: line {error.lineno}, column {error.colno}") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), dict):
+        raise _damaged(path, "not a harvest manifest: no 'shards' table")
+    if version(manifest) not in READABLE:
+        raise HarvestError(
+            f"{path} has layout version {version(manifest)!r}; this nnterp_vllm reads versions {READABLE}"
+        )
+    for key, record in manifest["shards"].items():
+        if not isinstance(record, dict) or any(name not in record for name in RECORD_KEYS):
+            raise _damaged(path, f"the record of shard {key!r} lacks one of {RECORD_KEYS}")
+    return manifest
+
+
+def _damaged(path: Path, what: str) -> HarvestError:
+    return HarvestError(
+        f"{path} is damaged ({what}), so the shards beside it cannot be trusted: restore the file from a copy, "
+        f"or rerun the harvest with {OVERWRITE} to compute them again"
+    )
+
+
+def shard_problem(directory: Path, record: dict[str, Any]) -> str | None:
+    """What is wrong with the shard ``record`` describes (missing, wrong size, other checksum), or None."""
+    path = Path(directory) / record["file"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        kind = "truncated" if size < record["bytes"] else "too long"
+        return f"{kind}: {size} bytes, the manifest records {record['bytes']}"
+    if sha256(path) != record["sha256"]:
+        return "damaged: its checksum differs from the manifest's"
+    return None
+
+
+def _lock(directory: Path) -> IO[str]:
+    """Hold an exclusive lock on ``directory`` (its lock file); HarvestError if another process holds it."""
+    handle = open(directory / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise HarvestError(f"cannot lock {directory / LOCK}: {error.strerror or error}") from error
+        raise HarvestError(
+            f"another harvest{f' (process {holder})' if holder else ''} is writing into {directory}; "
+            "wait for it to finish, or choose another --out directory"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _unlock(handle: IO[str]) -> None:
+    handle.seek(0)
+    handle.truncate()
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    handle.close()
 
 
 class Store:
-    """The output directory of one harvest: what is done, and the writing of what is next."""
+    """The output directory of one harvest, held exclusively: what is done, and the writing of what is next.
 
-    def __init__(self, out: Path | str, settings: dict[str, Any], overwrite: bool = False) -> None:
+    Use as a context manager: entering creates the directory, takes its lock and reads any
+    manifest; `begin` compares the settings and checks the recorded shards; leaving releases
+    the lock, and removes the directory again if this run created it and wrote nothing.
+    """
+
+    def __init__(self, out: Path | str, overwrite: bool = False) -> None:
         self.out = Path(out)
-        self.settings = settings
+        self.overwrite = overwrite
+        self.created = False
+        self.saved = False
+        self.existing: dict[str, Any] | None = None
+        self.manifest: dict[str, Any] = {}
+        #: Every shard record the directory's manifest held on entry, checked or not.
+        self.recorded: dict[int, dict[str, Any]] = {}
+        self._lock: IO[str] | None = None
+        self._damaged: HarvestError | None = None
+
+    def __enter__(self) -> Store:
+        self.created = not self.out.exists()
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise HarvestError(f"cannot create the output directory {self.out}: {error.strerror or error}") from error
-        manifest_path = self.out / MANIFEST
-        existing = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-        if existing is not None and overwrite:
-            self._clear(existing)
-            existing = None
-        if existing is not None:
+        try:
+            self._lock = _lock(self.out)
+            if (self.out / MANIFEST).exists():
+                try:
+                    self.existing = read_manifest(self.out)
+                except HarvestError as error:
+                    if not self.overwrite:
+                        raise
+                    self._damaged = error
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._lock is not None:
+            _unlock(self._lock)
+            self._lock = None
+        if self.created and not self.saved:
+            (self.out / LOCK).unlink(missing_ok=True)
+            try:
+                self.out.rmdir()
+            except OSError:
+                pass  # something else was put there meanwhile: leave it
+
+    def begin(self, settings: dict[str, Any]) -> None:
+        """Start or continue the harvest with ``settings``: refuse other settings, drop shards that fail their check."""
+        existing = self.existing
+        if existing is not None and not self.overwrite:
+            if version(existing) != VERSION:
+                raise HarvestError(
+                    f"{self.out / MANIFEST} was written by an older nnterp_vllm (layout version {version(existing)}), "
+                    f"which recorded no corpus digests to resume by; use another --out directory, or {OVERWRITE} "
+                    "to harvest again"
+                )
             different = [key for key in SETTINGS if existing.get(key) != settings.get(key)]
             if different:
                 lines = [
@@ -73,20 +241,34 @@ class Store:
                 raise HarvestError(
                     f"{self.out} holds a harvest made with other settings:\n"
                     + "\n".join(lines)
-                    + "\nUse another --out directory, or overwrite=True (--overwrite) to replace it."
+                    + f"\nUse another --out directory, or {OVERWRITE} to replace it."
                 )
-        self.manifest: dict[str, Any] = existing or {"format": FORMAT, **settings, "shards": {}, "complete": False}
+        if self.overwrite and (existing is not None or self._damaged is not None):
+            self._clear()
+            existing = None
         for leftover in self.out.glob("*.tmp"):
             leftover.unlink()
+        self.manifest = existing or {"version": VERSION, **settings, "shards": {}, "complete": False}
+        self.settings = {key: self.manifest[key] for key in settings}
+        self.recorded = {int(index): record for index, record in self.manifest["shards"].items()}
+        self.recorded_complete = bool(self.manifest.get("complete"))
+        for index, record in sorted(self.recorded.items()):
+            problem = shard_problem(self.out, record)
+            if problem is not None:
+                log.warning("%s in %s is %s; recomputing it", record["file"], self.out, problem)
+                (self.out / record["file"]).unlink(missing_ok=True)
+                del self.manifest["shards"][str(index)]
+                self.manifest["complete"] = False
 
-    def _clear(self, manifest: dict[str, Any]) -> None:
-        for record in manifest.get("shards", {}).values():
-            (self.out / record["file"]).unlink(missing_ok=True)
-        (self.out / MANIFEST).unlink()
+    def _clear(self) -> None:
+        for pattern in (*Safetensors.patterns, *SaeLens.patterns):
+            for path in self.out.glob(pattern):
+                path.unlink()
+        (self.out / MANIFEST).unlink(missing_ok=True)
 
     @property
     def done(self) -> set[int]:
-        """The indices of the shards already written."""
+        """The indices of the shards written and checked."""
         return {int(index) for index in self.manifest["shards"]}
 
     def add(self, index: int, record: dict[str, Any], stats: dict[str, Any]) -> None:
@@ -95,110 +277,38 @@ class Store:
         self.manifest["stats"] = stats
         self._save()
 
-    def finish(self, stats: dict[str, Any]) -> None:
-        """Mark the harvest complete."""
+    def finish(self, stats: dict[str, Any], corpus_sha256: str) -> None:
+        """Mark the harvest complete, with the digest of the whole corpus as read."""
         self.manifest["stats"] = stats
+        self.manifest["corpus_sha256"] = corpus_sha256
         self.manifest["complete"] = True
         self._save()
 
     def _save(self) -> None:
         try:
-            _write_json(self.out / MANIFEST, self.manifest)
+            layout_of(self.manifest).publish(self.out, list(self.manifest["shards"].values()))
+            write_json(self.out / MANIFEST, self.manifest)
         except OSError as error:
-            (self.out / (MANIFEST + ".tmp")).unlink(missing_ok=True)
             raise HarvestError(f"cannot write the manifest in {self.out}: {error.strerror or error}") from error
+        self.saved = True
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as one safetensors file at ``path``."""
-    from safetensors.torch import save_file
-
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
-
-
-def write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, Any]:
-    """Write one shard under a temporary name, then rename it; a failed write leaves nothing behind."""
-    path = Path(out) / shard_name(index)
-    staging = path.with_name(path.name + ".tmp")
+def write_shard(
+    out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Write one shard in the layout ``settings`` name, under a temporary name, then rename it;
+    a failed write leaves nothing behind."""
+    layout = layout_of(settings)
+    path = Path(out) / layout.file_name(index)
+    temporary = staging(path)
     try:
-        write_tensors(staging, tensors)
-        digest = sha256(staging)
-        os.replace(staging, path)
+        layout.write(temporary, tensors)
+        digest = sha256(temporary)
+        os.replace(temporary, path)
     except OSError as error:
-        staging.unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise HarvestError(
             f"cannot write {path.name} in {out}: {error.strerror or error}. The partial file was removed; "
             "free space (or fix permissions) and rerun the same command to resume."
         ) from error
     return {**record, "file": path.name, "bytes": path.stat().st_size, "sha256": digest}
-
-
-@dataclass
-class Harvest:
-    """A harvest on disk, read back: tokens aligned with activations, shard by shard.
-
-    ``load_harvest(dir)`` gives one. Shards are memory-mapped, so iterating a harvest larger
-    than memory is fine.
-    """
-
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def values(self) -> list[str]:
-        """The harvested values' names."""
-        return list(self.manifest["values"])
-
-    @property
-    def shards(self) -> list[Path]:
-        """The shard files, in corpus order."""
-        records = sorted(self.manifest["shards"].values(), key=lambda record: record["index"])
-        return [self.path / record["file"] for record in records]
-
-    def __len__(self) -> int:
-        return sum(record["tokens"] for record in self.manifest["shards"].values())
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Each shard as ``{name: tensor}``: ``token_ids``, ``documents``, ``offsets``, ``rows`` and the values."""
-        from safetensors import safe_open
-
-        for path in self.shards:
-            with safe_open(str(path), framework="pt") as handle:
-                yield {name: handle.get_tensor(name) for name in handle.keys()}
-
-    def verify(self) -> None:
-        """Check every shard against the checksum in the manifest; raise HarvestError naming a mismatch."""
-        for record in self.manifest["shards"].values():
-            if sha256(self.path / record["file"]) != record["sha256"]:
-                raise HarvestError(f"{record['file']} in {self.path} does not match its checksum in the manifest")
-
-    def load(self, name: str) -> torch.Tensor:
-        """One column (a value, or ``token_ids``/``documents``/``offsets``/``rows``) for all tokens, in memory."""
-        return torch.cat([shard[name] for shard in self])
-
-    def to_hf_dataset(self, path: Path | str | None = None) -> Any:
-        """The harvest as a HuggingFace ``datasets.Dataset``, one row per token; saved to ``path`` if given."""
-        import datasets
-
-        def generate() -> Iterator[dict[str, Any]]:
-            for shard in self:
-                columns = {
-                    name: tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
-                    for name, tensor in shard.items()
-                }
-                for i in range(len(columns["token_ids"])):
-                    yield {name: column[i] for name, column in columns.items()}
-
-        dataset = datasets.Dataset.from_generator(generate)
-        if path is not None:
-            dataset.save_to_disk(str(path))
-        return dataset
-
-
-def load_harvest(path: Path | str) -> Harvest:
-    """Open a harvest directory written by `harvest` (complete or not: the shards written so far)."""
-    path = Path(path)
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        raise HarvestError(f"{path} holds no harvest: {MANIFEST} is missing")
-    return Harvest(path, json.loads(manifest_path.read_text()))

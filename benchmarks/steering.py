@@ -1,0 +1,219 @@
+"""Steering throughput on SmolLM2-135M (fp32, CPU), every configuration measured in one run.
+
+Greedy generation of a batch of prompts x new tokens (``ignore_eos``) by: plain vLLM (its default
+compiled mode); SteeredVLLM with no steering, with every request steered by one shared vector at one
+layer, at 8 layers, and with each request's own vector; StandardizedVLLM (nnsight) steering every
+step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
+does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
+
+Each engine lives in its own interpreter (engines set thread counts process-wide), built once; the
+configurations of a phase (plain and steered vLLM together) are then measured in turn, ``--rounds``
+times, and each keeps its best, so a load spike on a shared machine hits one sample rather than one
+configuration (nnsight and transformers, far slower, are measured once).
+Prints tokens/s (wall clock) and each ratio to plain vLLM, and the same from the processes' CPU time
+(less disturbed by other load); asserts nothing.
+
+    python benchmarks/steering.py [--prompts 64] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from engines import MAX_MODEL_LEN, greedy_generate, prompts, transformers_batch
+
+from nnterp_vllm.checkpoints import smollm2
+
+LAYER, FACTOR = 10, 2.0
+EIGHT_LAYERS = list(range(6, 14))
+#: KV cache for every vLLM engine: room for the whole batch (the 64 MiB CPU default holds ~1400 tokens
+#: of SmolLM2, so 64 x 64 would be preempted and recomputed over and over).
+KV_CACHE_BYTES = 512 * 2**20
+STEERED = (
+    "no steering",
+    "one shared vector at 1 layer",
+    "one shared vector at 8 layers",
+    "each request its own vector",
+)
+
+#: Phases of (engine -> the configurations it measures, whether it is measured every round): the engines
+#: of a phase are alive together and measured in turn; the slow baselines, far from plain vLLM, once.
+PHASES = [
+    ({"plain vLLM": ["plain"], "SteeredVLLM": list(STEERED)}, True),
+    ({"plain vLLM, compilation off": ["plain"], "SteeredVLLM, compilation off": [STEERED[1]]}, True),
+    ({"StandardizedVLLM (nnsight)": ["steering every step"]}, False),
+    ({"transformers generate": ["steering hook"]}, False),
+]
+
+
+def vector(hidden_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def plain_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callable, Callable]:
+    from vllm import LLM, SamplingParams
+
+    from nnterp_vllm.engines.vllm_platform import shutdown_llm
+
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, **engine)
+
+    def run(configuration: str, tokens: int) -> None:
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+
+    return run, lambda: shutdown_llm(llm)
+
+
+def steered_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callable, Callable]:
+    from vllm import SamplingParams
+
+    from nnterp_vllm import SteeredVLLM, Steering
+
+    llm = SteeredVLLM(
+        path, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, **engine
+    )
+    steering = dict(
+        zip(
+            STEERED,
+            [
+                None,
+                Steering(LAYER, vector(llm.hidden_size), FACTOR),
+                Steering(EIGHT_LAYERS, vector(llm.hidden_size), FACTOR),
+                [Steering(LAYER, vector(llm.hidden_size, seed), FACTOR) for seed in range(len(batch))],
+            ],
+        )
+    )
+
+    def run(configuration: str, tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        llm.generate(batch, params, steering[configuration], use_tqdm=False)
+
+    return run, llm.shutdown
+
+
+def nnsight_vllm(path: str, batch: list[str]) -> tuple[Callable, Callable]:
+    from nnterp_vllm import StandardizedVLLM
+
+    model = StandardizedVLLM(
+        path, dtype="float32", dispatch=True, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES
+    )
+    steer = vector(model.hidden_size)
+
+    def run(configuration: str, tokens: int) -> None:
+        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    for _ in tracer.iter[:tokens]:
+                        model.steer(LAYER, steer, factor=FACTOR)
+
+    return run, model.shutdown
+
+
+def transformers_generate(path: str, batch: list[str]) -> tuple[Callable, Callable]:
+    model, tokenizer, inputs = transformers_batch(path, batch)
+    added = FACTOR * vector(model.config.hidden_size)
+    model.model.layers[LAYER].register_forward_hook(lambda module, args, output: output + added)
+    return lambda configuration, tokens: greedy_generate(model, tokenizer, inputs, tokens), lambda: None
+
+
+ENGINES = {
+    "plain vLLM": (plain_vllm, {}),
+    "SteeredVLLM": (steered_vllm, {}),
+    "plain vLLM, compilation off": (plain_vllm, {"enforce_eager": True}),
+    "SteeredVLLM, compilation off": (steered_vllm, {"enforce_eager": True}),
+    "StandardizedVLLM (nnsight)": (nnsight_vllm, {}),
+    "transformers generate": (transformers_generate, {}),
+}
+
+
+def serve(engine: str, tokens: int, batch: list[str]) -> None:
+    """Worker: build ``engine``, then measure each configuration named on stdin (warming it up the first time)."""
+    build, settings = ENGINES[engine]
+    run, shutdown = build(str(smollm2()), batch, **settings)
+    warm: set[str] = set()
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            configuration = line.strip()
+            if configuration not in warm:
+                run(configuration, 2)  # compiles what the first steps need, fills caches
+                warm.add(configuration)
+            wall, cpu = time.perf_counter(), time.process_time()
+            run(configuration, tokens)
+            print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu]), flush=True)
+    finally:
+        shutdown()
+
+
+class Worker:
+    """One engine in its own interpreter, driven line by line."""
+
+    def __init__(self, engine: str, args: argparse.Namespace) -> None:
+        command = [sys.executable, __file__, "--serve", engine, f"--prompts={args.prompts}", f"--tokens={args.tokens}"]
+        self.engine = engine
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("ready")
+
+    def measure(self, configuration: str) -> tuple[float, float]:
+        self.process.stdin.write(configuration + "\n")
+        self.process.stdin.flush()
+        return tuple(json.loads(self._expect()))
+
+    def _expect(self, word: str | None = None) -> str:
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {self.engine} worker exited (code {self.process.wait()})")
+            if line.startswith("ready" if word else "["):
+                return line
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--serve", choices=sorted(ENGINES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batch = prompts(args.prompts)
+    if args.serve:
+        serve(args.serve, args.tokens, batch)
+        return
+    best: dict[str, list[float]] = {}
+    for phase, every_round in PHASES:
+        workers = {engine: Worker(engine, args) for engine in phase}
+        try:
+            for _ in range(args.rounds if every_round else 1):
+                for engine, configurations in phase.items():
+                    for configuration in configurations:
+                        name = engine if configuration == "plain" else f"{engine}, {configuration}"
+                        wall, cpu = workers[engine].measure(configuration)
+                        print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr, flush=True)
+                        best[name] = [min(pair) for pair in zip(best.get(name, [wall, cpu]), (wall, cpu))]
+        finally:
+            for worker in workers.values():
+                worker.close()
+    generated = args.prompts * args.tokens
+    wall_base, cpu_base = best["plain vLLM"]
+    print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.tokens} new tokens, greedy, best of {args.rounds} rounds")
+    print(f"  {'':64s} {'tokens/s':>9s} {'x plain':>8s} {'CPU x plain':>12s}")
+    for name, (wall, cpu) in best.items():
+        print(f"  {name:64s} {generated / wall:9.1f} {wall_base / wall:8.3f} {cpu_base / cpu:12.3f}")
+    eager, steered_eager = best["plain vLLM, compilation off"], best[f"SteeredVLLM, compilation off, {STEERED[1]}"]
+    print(
+        f"  compilation off, steered / plain (both eager): {eager[0] / steered_eager[0]:.3f} wall, "
+        f"{eager[1] / steered_eager[1]:.3f} CPU"
+    )
+
+
+if __name__ == "__main__":
+    main()

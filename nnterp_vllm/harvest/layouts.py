@@ -1,0 +1,228 @@
+"""How a harvest's shards are laid out on disk: safetensors files (the default) or SAELens's cached-activation dataset.
+
+A layout writes one shard from per-token tensors and says where in the file each column's
+tokens lie (`Column`: every column is stored token after token, contiguous), so a reader can
+read any range of tokens straight into a tensor with one ``preadv``. Importing this module
+imports neither nnsight nor vLLM.
+
+``sae-lens``: the output directory is itself a ``datasets`` ``save_to_disk`` directory that
+SAELens's cached-activation training reads as it is: one row per sequence of exactly
+``context_length`` tokens; per value a column named as SAELens names a transformers hook (the
+module path, ``model.layers.6`` for ``layers.6.layer_output``) typed
+``Array2D((context_length, d), dtype)``; ``token_ids`` as int32 sequences of that length; and
+``documents``/``offsets`` (int64 sequences) for our own reader. Each shard is one
+``data-NNNNN.arrow`` file; ``state.json`` and ``dataset_info.json`` list the shards written
+so far and are rewritten with the manifest after each one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMATS = ("safetensors", "sae-lens")
+#: The per-token columns every shard holds besides the values.
+METADATA = ("token_ids", "documents", "offsets", "rows")
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    """Where one column of a shard lies in its file: ``tokens`` rows of ``shape``, contiguous from byte
+    ``offset``; a column with no offset is computed, not stored (a sae-lens shard's ``rows``: token // context)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tokens: int
+    offset: int | None = None
+    context: int | None = None
+
+    @functools.cached_property
+    def row_bytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, descriptor: int, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, ``len(out)`` rows of this column's dtype) with the rows from ``start`` on."""
+        if self.offset is None:
+            torch.floor_divide(torch.arange(start, start + len(out)), self.context, out=out)
+            return
+        if not len(out):
+            return
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        wanted = len(out) * self.row_bytes
+        got = os.preadv(descriptor, [view], self.offset + start * self.row_bytes)
+        self._check(wanted, got)
+
+    @staticmethod
+    def _check(wanted: int, got: int) -> None:
+        if got != wanted:
+            raise ValueError(f"the file ends {wanted - got} bytes short of the rows the manifest records")
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as one safetensors file at ``path``."""
+    from safetensors.torch import save_file
+
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+
+
+class Safetensors:
+    """A shard is one safetensors file: ``[tokens, ...]`` per column, under our names."""
+
+    name = "safetensors"
+    patterns = ("shard-*.safetensors",)
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.manifest = manifest
+
+    @staticmethod
+    def file_name(index: int) -> str:
+        return f"shard-{index:05d}.safetensors"
+
+    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        write_tensors(path, tensors)
+
+    def locate(self, path: Path) -> dict[str, Column]:
+        """Where every column of the shard at ``path`` lies: from the safetensors header."""
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        columns = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            shape = tuple(entry["shape"])
+            first = entry["data_offsets"][0]
+            columns[name] = Column(SAFETENSORS_DTYPES[entry["dtype"]], shape[1:], shape[0], 8 + size + first)
+        return columns
+
+    def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
+        """Nothing besides the manifest describes safetensors shards."""
+
+
+class SaeLens:
+    """A shard is one arrow file of a ``datasets`` directory that SAELens trains from (see the module docstring)."""
+
+    name = "sae-lens"
+    patterns = ("data-*.arrow", "state.json", "dataset_info.json")
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.manifest = manifest
+        self.context = manifest["context"]["context_length"]
+        self.values = manifest["values"]
+
+    @staticmethod
+    def file_name(index: int) -> str:
+        return f"data-{index:05d}.arrow"
+
+    def features(self) -> Any:
+        from datasets import Array2D, Features, Sequence, Value
+
+        columns: dict[str, Any] = {
+            entry["column"]: Array2D((self.context, *entry["shape"]), self.manifest["dtype"])
+            for entry in self.values.values()
+        }
+        columns["token_ids"] = Sequence(Value("int32"), length=self.context)
+        columns["documents"] = Sequence(Value("int64"), length=self.context)
+        columns["offsets"] = Sequence(Value("int64"), length=self.context)
+        return Features(columns)
+
+    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        def by_row(tensor: torch.Tensor) -> Any:
+            return tensor.reshape(-1, self.context, *tensor.shape[1:]).numpy()
+
+        batch = {entry["column"]: by_row(tensors[name]) for name, entry in self.values.items()}
+        batch["token_ids"] = by_row(tensors["token_ids"].to(torch.int32))
+        batch["documents"] = by_row(tensors["documents"])
+        batch["offsets"] = by_row(tensors["offsets"])
+        # One record batch per file, so a shard maps back as one zero-copy array per column.
+        rows = len(batch["token_ids"])
+        writer = ArrowWriter(features=self.features(), path=str(path), writer_batch_size=max(rows, 1))
+        try:
+            writer.write_batch(batch, writer_batch_size=max(rows, 1))
+            writer.finalize()
+        finally:
+            writer.close()
+
+    def locate(self, path: Path) -> dict[str, Column]:
+        """Where every column of the shard at ``path`` lies, under our names: from the arrow stream's buffers."""
+        import pyarrow as pa
+
+        with open(path, "rb") as handle:
+            whole = pa.py_buffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        table = pa.ipc.open_stream(pa.BufferReader(whole)).read_all()
+
+        def column(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Column:
+            chunks = table.column(name).chunks
+            if len(chunks) != 1:
+                raise ValueError(f"column {name!r} is in {len(chunks)} record batches; expected one")
+            array = chunks[0].storage if isinstance(chunks[0], pa.ExtensionArray) else chunks[0]
+            while pa.types.is_fixed_size_list(array.type) or pa.types.is_list(array.type):
+                array = array.flatten()
+            start = array.buffers()[1].address - whole.address + array.offset * array.type.byte_width
+            per_token = int(torch.tensor(shape).prod()) if shape else 1
+            return Column(dtype, shape, len(array) // per_token, start)
+
+        dtype = getattr(torch, self.manifest["dtype"])
+        columns = {name: column(entry["column"], dtype, tuple(entry["shape"])) for name, entry in self.values.items()}
+        columns["token_ids"] = column("token_ids", torch.int32, ())
+        columns["documents"] = column("documents", torch.int64, ())
+        columns["offsets"] = column("offsets", torch.int64, ())
+        columns["rows"] = Column(torch.int64, (), columns["token_ids"].tokens, context=self.context)
+        return columns
+
+    def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
+        """Rewrite ``state.json`` and ``dataset_info.json`` for the shards in ``records``, so that
+        ``datasets.load_from_disk(directory)`` reads them, in corpus order."""
+        from datasets import DatasetInfo
+
+        from .store import write_json
+
+        records = sorted(records, key=lambda record: record["index"])
+        if not records:
+            return
+        info = asdict(DatasetInfo(features=self.features()))
+        fingerprint = hashlib.sha256("".join(record["sha256"] for record in records).encode()).hexdigest()[:16]
+        state = {
+            "_data_files": [{"filename": record["file"]} for record in records],
+            "_fingerprint": fingerprint,
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        write_json(directory / "dataset_info.json", {key: info[key] for key in sorted(info)}, sort_keys=False)
+        write_json(directory / "state.json", state)
+
+
+def layout_of(manifest: dict[str, Any]) -> Safetensors | SaeLens:
+    """The layout a manifest's harvest is written in."""
+    return SaeLens(manifest) if manifest.get("format") == "sae-lens" else Safetensors(manifest)
+
+
+__all__ = ["FORMATS", "METADATA", "Column", "SaeLens", "Safetensors", "layout_of", "write_tensors"]

@@ -1,0 +1,276 @@
+"""Reading a harvest back: columns, shards, a HuggingFace dataset, and shuffled batches for trainers.
+
+Imports neither nnsight nor vLLM (nor transformers), so a trainer's environment that has
+only torch (and ``datasets``/``pyarrow`` for the SAELens layout) can open a harvest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .layouts import METADATA, Column, layout_of
+from .store import HarvestError, positive_int, read_manifest, shard_problem
+
+#: How many chunks, each from a random place of a random shard, fill one shuffle buffer.
+CHUNKS_PER_BUFFER = 16
+
+
+@dataclass
+class Harvest:
+    """A harvest on disk, read back: tokens aligned with activations, shard by shard.
+
+    ``load_harvest(dir)`` gives one. Reading takes the tokens a call asks for straight from the
+    files (one ``preadv`` per column and range), so a harvest larger than memory is fine.
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def values(self) -> list[str]:
+        """The harvested values' names."""
+        return list(self.manifest["values"])
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The manifest's shard records, in corpus order."""
+        return sorted(self.manifest["shards"].values(), key=lambda record: record["index"])
+
+    @property
+    def shards(self) -> list[Path]:
+        """The shard files, in corpus order."""
+        return [self.path / record["file"] for record in self.records]
+
+    def __len__(self) -> int:
+        return sum(record["tokens"] for record in self.manifest["shards"].values())
+
+    def _located(self, record: dict[str, Any]) -> dict[str, Column]:
+        path = self.path / record["file"]
+        try:
+            columns = layout_of(self.manifest).locate(path)
+        except (OSError, ValueError, KeyError) as error:
+            raise self._unreadable(record, error) from error
+        if columns["token_ids"].tokens != record["tokens"]:
+            raise self._unreadable(record, f"it holds {columns['token_ids'].tokens} tokens, not {record['tokens']}")
+        return columns
+
+    def _unreadable(self, record: dict[str, Any], why: Any) -> HarvestError:
+        return HarvestError(
+            f"cannot read {record['file']} in {self.path} ({why}); rerun the harvest command to recompute it"
+        )
+
+    def _read(
+        self,
+        record: dict[str, Any],
+        columns: dict[str, Column],
+        names: list[str],
+        start: int,
+        stop: int,
+        out: dict[str, torch.Tensor],
+        at: int,
+    ) -> None:
+        """Read tokens ``start:stop`` of ``names`` from one shard into ``out[name][at:]``."""
+        with self._open(record) as descriptor:
+            for name in names:
+                columns[name].read(descriptor, start, out[name][at : at + stop - start])
+
+    @staticmethod
+    def _empty(columns: dict[str, Column], names: list[str], count: int) -> dict[str, torch.Tensor]:
+        return {name: torch.empty((count, *columns[name].shape), dtype=columns[name].dtype) for name in names}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Each shard as ``{name: tensor}``: ``token_ids``, ``documents``, ``offsets``, ``rows`` and the values."""
+        names = [*METADATA, *self.values]
+        for record in self.records:
+            columns = self._located(record)
+            shard = self._empty(columns, names, record["tokens"])
+            self._read(record, columns, names, 0, record["tokens"], shard, 0)
+            yield _as_read(shard)
+
+    def verify(self) -> None:
+        """Check every shard's existence, size and checksum against the manifest; HarvestError naming a bad one."""
+        for record in self.manifest["shards"].values():
+            problem = shard_problem(self.path, record)
+            if problem is not None:
+                raise HarvestError(
+                    f"{record['file']} in {self.path} is {problem}; rerun the harvest command to recompute it"
+                )
+
+    def load(self, name: str) -> torch.Tensor:
+        """One column (a value, or ``token_ids``/``documents``/``offsets``/``rows``) for all tokens, in memory."""
+        self._names([name])
+        records = self.records
+        if not records:
+            return torch.empty(0)
+        columns = [self._located(record) for record in records]
+        out = self._empty(columns[0], [name], len(self))
+        at = 0
+        for record, located in zip(records, columns):
+            self._read(record, located, [name], 0, record["tokens"], out, at)
+            at += record["tokens"]
+        return _as_read(out)[name]
+
+    def _names(self, names: list[str]) -> list[str]:
+        unknown = [name for name in names if name not in self.manifest["values"] and name not in METADATA]
+        if unknown:
+            raise ValueError(f"{unknown} are not in this harvest; it holds {[*self.values, *METADATA]}")
+        return names
+
+    def batches(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        values: list[str] | None = None,
+        buffer_bytes: int = 256 * 2**20,
+        drop_last: bool = False,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch of batches ``{name: [batch_size, ...]}`` over every token of every shard, each exactly once.
+
+        Args:
+            batch_size: Tokens per batch (the last one may be shorter unless ``drop_last``).
+            shuffle: A permutation of all tokens, reproducible from ``seed``; False reads in corpus order.
+            seed: The permutation's seed (pass ``seed + epoch`` for a new order each epoch).
+            values: The columns to yield: harvested values and ``token_ids``/``documents``/``offsets``/``rows``
+                (every harvested value by default).
+            buffer_bytes: The memory bound of a shuffled read. A buffer holds as many whole batches of the
+                chosen columns as fit in ``buffer_bytes`` (at least one); the tokens are cut into chunks of a
+                16th of a buffer, the chunks are read in a random order into the buffer, about 16 at a time
+                (so a buffer mixes up to 16 places of up to 16 shards), and each buffer's tokens are dealt
+                into batches in a random order. Memory: the buffer, plus the batch being built. A
+                sequential read holds one batch.
+            drop_last: Leave out a last batch shorter than ``batch_size``.
+
+        Every batch is a new tensor per column, read or gathered once from the files.
+        """
+        positive_int(batch_size, "batch_size")
+        positive_int(buffer_bytes, "buffer_bytes")
+        names = self._names(list(values) if values is not None else self.values)
+        records = [record for record in self.records if record["tokens"]]
+        if not records:
+            return
+        located = {record["index"]: self._located(record) for record in records}
+        sample = located[records[0]["index"]]
+        token_bytes = max(1, sum(sample[name].row_bytes for name in names))
+        # A buffer holds a whole number of batches, so no batch straddles two; its chunks are a 16th of it.
+        capacity = max(batch_size, buffer_bytes // token_bytes // batch_size * batch_size) if shuffle else batch_size
+        chunk = max(1, capacity // CHUNKS_PER_BUFFER) if shuffle else batch_size
+        chunks = [
+            (record, start, min(start + chunk, record["tokens"]))
+            for record in records
+            for start in range(0, record["tokens"], chunk)
+        ]
+        if not shuffle:
+            yield from self._in_order(chunks, located, names, batch_size, drop_last)
+            return
+        generator = torch.Generator().manual_seed(seed)
+        chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
+        buffer = self._empty(sample, names, capacity)
+        pieces = iter(chunks)
+        piece = next(pieces, None)
+        while piece is not None:
+            total = 0  # fill the buffer from the chunks in their random order, cutting the last one taken
+            while piece is not None and total < capacity:
+                record, start, stop = piece
+                take = min(stop - start, capacity - total)
+                self._read(record, located[record["index"]], names, start, start + take, buffer, total)
+                total += take
+                piece = (record, start + take, stop) if start + take < stop else next(pieces, None)
+            order = torch.randperm(total, generator=generator).numpy()
+            for begin in range(0, total, batch_size):
+                picked = np.sort(order[begin : begin + batch_size])  # in buffer order: reads in address order
+                if len(picked) == batch_size or not drop_last:
+                    yield _as_read({name: _take(buffer[name], picked) for name in names})
+
+    @contextlib.contextmanager
+    def _open(self, record: dict[str, Any]) -> Iterator[int]:
+        """A descriptor of the shard ``record`` names; a failed read in it is a HarvestError naming the shard."""
+        try:
+            descriptor = os.open(self.path / record["file"], os.O_RDONLY)
+        except OSError as error:
+            raise self._unreadable(record, error) from error
+        try:
+            yield descriptor
+        except (OSError, ValueError) as error:
+            raise self._unreadable(record, error) from error
+        finally:
+            os.close(descriptor)
+
+    def _in_order(self, chunks: list, located: dict, names: list[str], batch_size: int, drop_last: bool):
+        """The batches of a sequential read: each one read straight from the files into its own tensors."""
+        pending: list[tuple[dict[str, Any], int, int]] = []
+        count = 0
+        for index, (record, start, stop) in enumerate(chunks):
+            while start < stop:
+                take = min(stop - start, batch_size - count)
+                pending.append((record, start, start + take))
+                count += take
+                start += take
+                if count == batch_size or (index == len(chunks) - 1 and start == stop):
+                    if count == batch_size or not drop_last:
+                        yield self._gathered(pending, located, names, count)
+                    pending, count = [], 0
+
+    def _gathered(self, pieces: list, located: dict, names: list[str], count: int) -> dict[str, torch.Tensor]:
+        batch = self._empty(located[pieces[0][0]["index"]], names, count)
+        at = 0
+        for record, start, stop in pieces:
+            self._read(record, located[record["index"]], names, start, stop, batch, at)
+            at += stop - start
+        return _as_read(batch)
+
+    def to_hf_dataset(self, path: Path | str | None = None) -> Any:
+        """The harvest as a HuggingFace ``datasets.Dataset``, one row per token; saved to ``path`` if given.
+
+        A harvest written with ``format="sae-lens"`` already is a dataset (one row per sequence):
+        ``datasets.load_from_disk(harvest.path)`` opens it as SAELens does.
+        """
+        import datasets
+
+        def generate() -> Iterator[dict[str, Any]]:
+            for shard in self:
+                columns = {
+                    name: tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+                    for name, tensor in shard.items()
+                }
+                for i in range(len(columns["token_ids"])):
+                    yield {name: column[i] for name, column in columns.items()}
+
+        dataset = datasets.Dataset.from_generator(generate)
+        if path is not None:
+            dataset.save_to_disk(str(path))
+        return dataset
+
+
+def _take(tensor: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """``tensor[rows]`` as a new tensor, gathered by numpy as raw bytes: one thread, whatever the dtype.
+
+    torch's own gather splits even a small one across its thread pool, which on a busy machine
+    costs many times the copy itself.
+    """
+    gathered = torch.from_numpy(np.take(_rows(tensor), rows, axis=0))
+    return gathered.view(tensor.dtype).reshape(len(rows), *tensor.shape[1:])
+
+
+def _rows(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` (contiguous) as a numpy array of raw bytes, one row per token, sharing its memory."""
+    return tensor.view(torch.uint8).reshape(len(tensor), tensor[:1].numel() * tensor.element_size()).numpy()
+
+
+def _as_read(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Metadata columns as int64, whatever a layout stores them as (sae-lens keeps token ids in int32)."""
+    return {name: tensor.long() if name in METADATA else tensor for name, tensor in columns.items()}
+
+
+def load_harvest(path: Path | str) -> Harvest:
+    """Open a harvest directory written by `harvest` (complete or not: the shards written so far)."""
+    path = Path(path)
+    return Harvest(path, read_manifest(path))
