@@ -20,6 +20,15 @@ from anyio.abc import SocketAttribute  # noqa: F401
 from anyio.streams.file import FileStreamAttribute  # noqa: F401
 from anyio.streams.tls import TLSAttribute  # noqa: F401
 
+
+def prepare_ray_worker() -> None:
+    """Ray's ``worker_process_setup_hook`` for ``--replicas``: importing this package is the preparation.
+
+    A Ray worker unpickles the actor classes of a driver that has imported nnsight, which imports
+    nnsight there before any of our code runs; the hook runs first, so anyio's sets are defined in time.
+    """
+
+
 #: Seconds a SIGTERM lets in-flight requests finish (vLLM's --shutdown-timeout, 0 there: abort at once).
 DRAIN_SECONDS = 30
 #: The name ``MODEL`` may be to serve the embedded default model (SmolLM2-135M-Instruct).

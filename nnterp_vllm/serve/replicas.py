@@ -58,7 +58,8 @@ def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, t
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGINT, interrupt)
-    ray.init(address=args.ray_address, include_dashboard=False)
+    setup = {"worker_process_setup_hook": f"{__package__}.prepare_ray_worker"}
+    ray.init(address=args.ray_address, include_dashboard=False, runtime_env=setup)
     signal.signal(signal.SIGTERM, interrupt)  # ray.init installs its own (exit at once, status 15)
     try:
         serve.start(http_options={"host": args.host or "0.0.0.0", "port": args.port})
