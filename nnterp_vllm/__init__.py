@@ -10,6 +10,16 @@ from typing import Any
 
 from .errors import UnavailableValue, UnsupportedFamily
 
+# anyio defines its typed-attribute sets (every TypedAttributeSet subclass) lazily, at the first async
+# stream or task group (an httpx/openai async client, a server), and refuses to define one once nnsight
+# has mounted `.save` on every object: so they are defined here, before any engine imports nnsight.
+try:
+    from anyio.abc import SocketAttribute  # noqa: F401
+    from anyio.streams.file import FileStreamAttribute  # noqa: F401
+    from anyio.streams.tls import TLSAttribute  # noqa: F401
+except ImportError:  # no anyio, nothing to break
+    pass
+
 __all__ = [
     "AsyncSteeredVLLM",
     "StandardizedTransformer",

@@ -268,18 +268,24 @@ def test_models_health_and_usage_are_vllms(served):
     assert response.usage.prompt_tokens == len(PROMPT) and response.usage.completion_tokens == STEPS
 
 
-def test_64_concurrent_mixed_clients_each_get_their_own_result(served):
+def concurrent_tokens(url: str, cases: list[tuple[str, list[Steering], dict[int, str]]]) -> list[list[int]]:
+    """Each case's generated tokens, all sent at once by one asyncio ``openai`` client."""
+
     async def all_requests():
-        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as aclient:
 
             async def one(prompt, specs, names):
                 body = {**EXTRA, "steering": as_json(specs, names)}
                 response = await aclient.completions.create(model=MODEL, prompt=prompt, extra_body=body, **GREEDY)
                 return response.choices[0].token_ids
 
-            return await asyncio.gather(*(one(*case) for case, _ in served.concurrent))
+            return await asyncio.gather(*(one(*case) for case in cases))
 
-    results = asyncio.run(all_requests())
+    return asyncio.run(all_requests())
+
+
+def test_64_concurrent_mixed_clients_each_get_their_own_result(served):
+    results = concurrent_tokens(served.url, [case for case, _ in served.concurrent])
     assert results == [expected for _, expected in served.concurrent]
     unsteered = [expected for (_, specs, _), expected in served.concurrent if not specs]
     assert len(set(map(tuple, results))) > len(set(map(tuple, unsteered)))  # steering changed what it steered
@@ -449,21 +455,26 @@ def test_two_replicas_on_ray_serve_answer_steered_requests(served):
         vectors_url = "/v1/steering/vectors"
         assert post(replicas, vectors_url, {"name": "posted", "vector": served.vectors["posted"].tolist()}).is_success
 
-        async def all_requests():
-            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as aclient:
-
-                async def one(prompt, specs, names):
-                    body = {**EXTRA, "steering": as_json(specs, names)}
-                    response = await aclient.completions.create(model=MODEL, prompt=prompt, extra_body=body, **GREEDY)
-                    return response.choices[0].token_ids
-
-                cases = [case for case, _ in served.concurrent[:16]]
-                cases += [(PROMPT, [Steering(0, served.vectors["posted"], factor=1.5)], {0: "posted"})] * 4
-                return await asyncio.gather(*(one(*case) for case in cases))
-
-        results = asyncio.run(all_requests())
+        cases = [case for case, _ in served.concurrent[:16]]
+        cases += [(PROMPT, [Steering(0, served.vectors["posted"], factor=1.5)], {0: "posted"})] * 4
+        results = concurrent_tokens(server.url, cases)
         assert results == [expected for _, expected in served.concurrent[:16]] + [served.expected["posted"]] * 4
     finally:
         status = server.stop(timeout=180)
     assert status == 0, server.log.read_text()[-5000:]
     server.assert_left_nothing()
+
+
+def test_an_async_client_works_after_nnsight_is_imported():
+    """anyio's attribute sets are defined by ``import nnterp_vllm``, before nnsight would make them fail."""
+    code = (
+        "import asyncio, nnterp_vllm, nnsight, httpx\n"
+        "async def main():\n"
+        "    async with httpx.AsyncClient() as client:\n"
+        "        try:\n"
+        "            await client.get('http://127.0.0.1:9/')\n"
+        "        except httpx.ConnectError:\n"
+        "            pass\n"
+        "asyncio.run(main())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent)

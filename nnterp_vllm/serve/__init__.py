@@ -13,19 +13,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-# anyio's typed-attribute sets (every TypedAttributeSet subclass it has) refuse to be defined once nnsight
-# (which the steered engine imports) has mounted `.save` on every object, and anyio defines them lazily,
-# at the first task group or stream the server's HTTP stack opens: so they are defined here, first.
-from anyio.abc import SocketAttribute  # noqa: F401
-from anyio.streams.file import FileStreamAttribute  # noqa: F401
-from anyio.streams.tls import TLSAttribute  # noqa: F401
-
 
 def prepare_ray_worker() -> None:
-    """Ray's ``worker_process_setup_hook`` for ``--replicas``: importing this package is the preparation.
+    """Ray's ``worker_process_setup_hook`` for ``--replicas``: importing ``nnterp_vllm`` is the preparation.
 
     A Ray worker unpickles the actor classes of a driver that has imported nnsight, which imports
-    nnsight there before any of our code runs; the hook runs first, so anyio's sets are defined in time.
+    nnsight there before any of our code runs; the hook runs first, so the package defines anyio's
+    attribute sets in time (see ``nnterp_vllm/__init__.py``).
     """
 
 

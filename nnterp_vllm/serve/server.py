@@ -69,16 +69,6 @@ class SteeringEngineClient(AsyncSteeredVLLM):
         async for output in super().generate(prompt, sampling_params, request_id, steering=steering, **kwargs):
             yield output
 
-    @property
-    def num_layers(self) -> int:
-        """The number of standardized blocks a spec can name."""
-        return self.vllm_config.model_config.hf_text_config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        """The width of a steering vector."""
-        return self.vllm_config.model_config.get_hidden_size()
-
 
 class SteeringHandler:
     """Mixed in front of a vLLM completion or chat handler: reads and checks a request's ``steering``."""
