@@ -466,9 +466,10 @@ def test_two_replicas_on_ray_serve_answer_steered_requests(served):
 
 
 def test_an_async_client_works_after_nnsight_is_imported():
-    """anyio's attribute sets are defined by ``import nnterp_vllm``, before nnsight would make them fail."""
+    """anyio's attribute sets would fail to define once nnsight is imported; ``import nnterp_vllm``, before
+    or after nnsight, keeps them working."""
     code = (
-        "import asyncio, nnterp_vllm, nnsight, httpx\n"
+        "import asyncio, nnsight, nnterp_vllm, httpx\n"
         "async def main():\n"
         "    async with httpx.AsyncClient() as client:\n"
         "        try:\n"

@@ -18,8 +18,8 @@ def prepare_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` for ``--replicas``: importing ``nnterp_vllm`` is the preparation.
 
     A Ray worker unpickles the actor classes of a driver that has imported nnsight, which imports
-    nnsight there before any of our code runs; the hook runs first, so the package defines anyio's
-    attribute sets in time (see ``nnterp_vllm/__init__.py``).
+    nnsight there before any of our code runs (anyio's attribute sets would then fail to define, see
+    ``nnterp_vllm/__init__.py``); the hook runs first.
     """
 
 
