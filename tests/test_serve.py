@@ -479,3 +479,52 @@ def test_an_async_client_works_after_nnsight_is_imported():
         "asyncio.run(main())\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+        (["--api-server-count", "2"], "--api-server-count is not served with steering"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is not served with steering"),
+        (["--headless"], "--headless is not served with steering"),
+    ],
+)
+def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(flags, message):
+    from nnterp_vllm.serve import parse
+
+    with pytest.raises(ValueError, match=message):
+        parse([str(tiny.checkpoint("llama")), *flags])
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ({"short": torch.zeros(7)}, r"vector 'short'.*\[hidden_size\] = \[128\]"),
+        ({"nan": torch.full((HIDDEN,), float("nan"))}, "NaN or inf"),
+        ({"rows": torch.zeros(2, HIDDEN)}, r"\[hidden_size\] = \[128\]"),
+        ({"a b": torch.zeros(HIDDEN)}, "a vector's name is 1 to 128 letters"),
+        (None, "cannot read it as a safetensors file"),
+    ],
+)
+def test_a_bad_steering_vectors_file_is_refused_naming_the_entry(tmp_path, tensors, message):
+    from nnterp_vllm.serve.fields import read_vectors_file
+
+    path = tmp_path / "vectors.safetensors"
+    if tensors is None:
+        path.write_text("not safetensors")
+    else:
+        save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=f"--steering-vectors {path}: .*{message}"):
+        read_vectors_file(path, HIDDEN)
+
+
+def test_the_command_line_refuses_a_bad_vector_file_in_one_line_before_the_engine_starts(tmp_path):
+    path = tmp_path / "vectors.safetensors"
+    save_file({"short": torch.zeros(7)}, str(path))
+    command = [SERVE, "serve", str(tiny.checkpoint("llama")), "--steering-vectors", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("nnterp-vllm: error:")]
+    assert "vector 'short'" in line and "[hidden_size] = [128]" in line
+    assert "EngineCore" not in result.stderr  # refused before any engine process
