@@ -10,6 +10,17 @@ from typing import Any
 
 from .errors import UnavailableValue, UnsupportedFamily
 
+# anyio checks that every attribute of each of its typed-attribute sets is annotated, and defines most
+# sets lazily (at the first async stream or task group: an httpx or openai async client, a server);
+# once nnsight has mounted `.save` on every object, every set fails that check. Declaring `save` on
+# their base keeps async HTTP working in any process that imports nnterp_vllm, before or after nnsight.
+try:
+    from anyio import TypedAttributeSet
+except ImportError:  # no anyio, nothing to break
+    pass
+else:
+    TypedAttributeSet.__annotations__.setdefault("save", Any)
+
 __all__ = [
     "AsyncSteeredVLLM",
     "StandardizedTransformer",

@@ -51,6 +51,12 @@ def _harvest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import main
+
+    return main(args.arguments)
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from .checkpoints import smollm2
 
@@ -99,6 +105,14 @@ def parser() -> argparse.ArgumentParser:
     harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")
     harvest.add_argument("--quiet", action="store_true", help="no progress bar")
     harvest.set_defaults(run=_harvest)
+    serve = commands.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server with per-request steering (nnterp-vllm serve MODEL --help)",
+        add_help=False,
+        prefix_chars="+",  # every argument, --help included, is vLLM's serve parser's (serve.parser)
+    )
+    serve.add_argument("arguments", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=_serve)
     prepare = commands.add_parser(
         "prepare", help="prepare the embedded default model (SmolLM2-135M) and print its path"
     )
