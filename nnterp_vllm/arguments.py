@@ -22,15 +22,19 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def listed_ints(value: Any) -> list[int] | None:
+    """``value`` as a list when it is a non-empty iterable of ints (not text, not a tensor); else ``None``."""
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, torch.Tensor)):
+        listed = list(value)
+        if listed and all(is_int(i) for i in listed):
+            return listed
+    return None
+
+
 def layer_list(layers: LayerSelection, what: str) -> list[int]:
     """``layers`` (an int or ints) as a list, checked for type only: no model is needed."""
-    if is_int(layers):
-        chosen = [layers]
-    elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes, torch.Tensor)):
-        chosen = list(layers)
-    else:
-        chosen = None
-    if not chosen or not all(is_int(i) for i in chosen):
+    chosen = [layers] if is_int(layers) else listed_ints(layers)
+    if chosen is None:
         raise ValueError(f"{what}: layers must be an int or a non-empty list of ints, got {layers!r}")
     return chosen
 
@@ -102,10 +106,9 @@ def positions(chosen: Positions, what: str) -> int | slice | list[int]:
         ):
             raise ValueError(f"{what}: a slice of positions takes ints, got {chosen!r}")
         return chosen
-    if isinstance(chosen, Iterable) and not isinstance(chosen, (str, bytes)):
-        listed = list(chosen)
-        if listed and all(is_int(i) for i in listed):
-            return listed
+    listed = listed_ints(chosen)
+    if listed is not None:
+        return listed
     raise ValueError(f"{what}: positions must be None, an int, a slice or a non-empty list of ints, got {chosen!r}")
 
 
@@ -132,6 +135,29 @@ def positions_within(chosen: int | slice | list[int], length: int, what: str) ->
     return [i % length for i in listed]
 
 
+def batch_rows(chosen: Any, what: str) -> list[int] | None:
+    """``batch_index`` as a list of ints, ``None`` for every row; refuses anything else."""
+    if chosen is None:
+        return None
+    rows = [chosen] if is_int(chosen) else listed_ints(chosen)
+    if rows is None:
+        raise ValueError(f"{what}: batch_index must be None, an int or a non-empty list of ints, got {chosen!r}")
+    return rows
+
+
+def batch_rows_within(rows: list[int] | None, size: int, what: str) -> list[int]:
+    """The rows of an invoke's batch of ``size`` prompts that ``rows`` selects (all where ``None``)."""
+    if rows is None:
+        return list(range(size))
+    bad = [row for row in rows if not -size <= row < size]
+    if bad:
+        raise ValueError(
+            f"{what}: batch_index {bad} is outside the invoke's batch of {size} prompt(s) (valid: 0..{size - 1}); "
+            "on vLLM an invoke holds one prompt"
+        )
+    return [row % size for row in rows]
+
+
 #: The position forms of a declarative steering spec that name a phase of the sequence.
 PHASES = ("all", "prompt", "generated")
 
@@ -140,10 +166,9 @@ def phase_or_positions(chosen: Any, what: str) -> str | list[int]:
     """``chosen`` as a steering spec's positions: a phase in `PHASES` or a non-empty list of prompt positions."""
     if isinstance(chosen, str) and chosen in PHASES:
         return chosen
-    if isinstance(chosen, Iterable) and not isinstance(chosen, (str, bytes, torch.Tensor)):
-        listed = list(chosen)
-        if listed and all(is_int(i) for i in listed):
-            return listed
+    listed = listed_ints(chosen)
+    if listed is not None:
+        return listed
     raise ValueError(
         f"{what}: positions must be 'all', 'prompt', 'generated' or a non-empty list of prompt positions "
         f"(ints, negative counting from the prompt's end), got {chosen!r}"

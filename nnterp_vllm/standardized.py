@@ -298,11 +298,11 @@ class Standardized:
         vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
         factor = arguments.finite_number(factor, "steer")
         where = arguments.positions(_listed(chosen), "steer")
-        batch = _batch_rows(_listed(batch_index))
+        batch = arguments.batch_rows(_listed(batch_index), "steer")
 
         def add(stream: torch.Tensor) -> torch.Tensor:
             selected = arguments.positions_within(where, stream.shape[1], "steer")
-            rows = _batch_rows_within(batch, stream.shape[0])
+            rows = arguments.batch_rows_within(batch, stream.shape[0], "steer")
             if vector.dim() == 2 and vector.shape[0] not in (1, len(selected)):
                 raise ValueError(
                     f"steer: a [n, hidden_size] vector needs one row per steered position; it has "
@@ -428,31 +428,6 @@ def _one_spelling(what: str, ours: tuple[str, Any], nnterps: tuple[str, Any], re
 def _listed(chosen: Any) -> Any:
     """A tensor of indices (as nnterp code passes them) as an int or a list of ints; anything else as it is."""
     return chosen.tolist() if isinstance(chosen, torch.Tensor) else chosen
-
-
-def _batch_rows(chosen: Any) -> list[int] | None:
-    """``batch_index`` as a list of ints, ``None`` for every row; refuses anything else."""
-    if chosen is None:
-        return None
-    rows = [chosen] if arguments.is_int(chosen) else chosen
-    if isinstance(rows, Iterable) and not isinstance(rows, (str, bytes)):
-        rows = list(rows)
-        if rows and all(arguments.is_int(row) for row in rows):
-            return rows
-    raise ValueError(f"steer: batch_index must be None, an int or a non-empty list of ints, got {chosen!r}")
-
-
-def _batch_rows_within(rows: list[int] | None, size: int) -> list[int]:
-    """The rows of an invoke's batch of ``size`` prompts that ``rows`` selects (all where ``None``)."""
-    if rows is None:
-        return list(range(size))
-    bad = [row for row in rows if not -size <= row < size]
-    if bad:
-        raise ValueError(
-            f"steer: batch_index {bad} is outside the invoke's batch of {size} prompt(s) (valid: 0..{size - 1}); "
-            "on vLLM an invoke holds one prompt"
-        )
-    return [row % size for row in rows]
 
 
 def max_positions(config: Any) -> int | None:
