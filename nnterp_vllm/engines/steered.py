@@ -197,11 +197,10 @@ class Steerer:
         rows = self.requests.pop(request_id, None)
         if rows is None:
             return
-        for named in (rows.prompt, rows.generated, *rows.listed.values()):
-            if named is not None:
-                self.users[named] -= 1
-                if self.users[named] <= 0:
-                    del self.users[named], self.contents[named]
+        for named in self._keys(rows):
+            self.users[named] -= 1
+            if self.users[named] <= 0:
+                del self.users[named], self.contents[named]
 
     # -- per step -------------------------------------------------------------------------------------
 
