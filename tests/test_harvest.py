@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,8 +18,9 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, load_harvest
-from nnterp_vllm.harvest import Harvest, HarvestError, harvest
+from nnterp_vllm.harvest import HarvestError, harvest
 from nnterp_vllm.harvest import layouts as layouts_module
+from nnterp_vllm.harvest import reader as reader_module
 from nnterp_vllm.harvest.corpus import CorpusError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,6 +304,59 @@ def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
         torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
 
 
+def test_a_vllm_harvest_of_a_checkpoint_runs_only_the_blocks_it_reads(llama_path, tmp_path, monkeypatch):
+    from nnterp_vllm.harvest import run as run_module
+
+    ran: list[int] = []  # the blocks vLLM's own model ran, recorded on the engine's worker (in this process)
+    load = run_module.load_model
+
+    def recorded(*args, **kwargs):
+        model = load(*args, **kwargs)
+        if model.ENGINE == "vllm":
+            worker = model.vllm_entrypoint.llm_engine.model_executor.driver_worker.worker
+            for index, block in enumerate(worker.model_runner.model.model.layers):
+                block.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
+        return model
+
+    monkeypatch.setattr(run_module, "load_model", recorded)
+    docs = documents(7)
+    values = ["layers.1.layer_output", "layers.0.mlp_output"]
+    on_hf = harvest(llama_path, docs, values, tmp_path / "hf", progress=False)
+    on_vllm = harvest(
+        llama_path, docs, values, tmp_path / "vllm", engine="vllm", model_kwargs={"dtype": "float32"}, progress=False
+    )
+    assert sorted(set(ran)) == [0, 1] and on_vllm.manifest["blocks_run"] == on_hf.manifest["blocks_run"] == 2
+    for name in values:
+        torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
+    ran.clear()  # a value after the blocks needs them all
+    whole = harvest(
+        llama_path,
+        docs[:2],
+        ["layers.0.layer_output", "final_norm_output"],
+        tmp_path / "all",
+        engine="vllm",
+        model_kwargs={"dtype": "float32"},
+        progress=False,
+    )
+    blocks = json.loads((llama_path / "config.json").read_text())["num_hidden_layers"]
+    assert sorted(set(ran)) == list(range(blocks)) and whole.manifest["blocks_run"] == blocks > 2
+
+
+def test_a_vllm_model_built_to_run_fewer_blocks_harvests_only_what_they_reach(llama_path, tmp_path):
+    from nnterp_vllm import StandardizedVLLM
+    from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS
+
+    model = StandardizedVLLM(llama_path, dtype="float32", additional_config={FIRST_BLOCKS: 1})
+    try:
+        done = harvest(model, documents(3), ["layers.0.layer_output"], tmp_path / "zero", progress=False)
+        assert done.manifest["blocks_run"] == 1
+        refusal = r"runs only its first 1 blocks \(additional_config nnterp_vllm_first_blocks\), short of the values"
+        with pytest.raises(ValueError, match=refusal + r" selected, which need 2: build it without that setting"):
+            harvest(model, documents(3), ["layers.1.layer_output"], tmp_path / "one", progress=False)
+    finally:
+        model.shutdown()
+
+
 def test_ray_workers_write_what_one_worker_writes(llama_path, tmp_path):
     docs = documents(30, seed=3)
     single = harvest(
@@ -436,20 +491,41 @@ def test_what_the_sae_lens_layout_cannot_hold_is_refused(llama, tmp_path, kwargs
     assert not (tmp_path / "out").exists()
 
 
-#: A small shuffle buffer: 22 batches of 7 tokens of the three columns read (528 bytes a token), in 16 chunks.
+#: A small shuffle window: 22 batches of 7 tokens of the three columns read (528 bytes a token), in 16 chunks.
 BUFFER = 160 * 528
 
 
+def resident_shard_bytes(directory: Path) -> int | None:
+    """The bytes of ``directory``'s files this process has mapped and resident (from /proc/self/smaps),
+    or None when none of them is mapped."""
+    resident, mapped = 0, False
+    current = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"[0-9a-f]+-[0-9a-f]+$", fields[0]):  # a mapping's header: address range, ..., [path]
+            current = len(fields) >= 6 and fields[5].startswith(str(directory))
+            mapped = mapped or current
+        elif current and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident if mapped else None
+
+
 def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
-    allocated = []
-    empty = Harvest._empty
+    windows: list[int] = [0]  # tokens gathered from the mapped shards since the last release
+    released: list[int | None] = []
+    gather, release = reader_module._MappedShards.gather, reader_module._MappedShards.release
 
-    def recorded(columns, names, count):
-        tensors = empty(columns, names, count)
-        allocated.append(sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
-        return tensors
+    def counted(self, window, starts, picked, names):
+        windows[-1] += len(picked)
+        return gather(self, window, starts, picked, names)
 
-    monkeypatch.setattr(Harvest, "_empty", staticmethod(recorded))
+    def measured(self):
+        release(self)
+        released.append(resident_shard_bytes(self.harvest.path))
+        windows.append(0)
+
+    monkeypatch.setattr(reader_module._MappedShards, "gather", counted)
+    monkeypatch.setattr(reader_module._MappedShards, "release", measured)
     for result in harvests:
         names = ["layers.1.layer_output", "documents", "offsets"]
         every = {name: result.load(name) for name in names}
@@ -457,10 +533,12 @@ def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
         assert all(len(batch["documents"]) == 7 for batch in sequential[:-1])
         for name in names:
             assert torch.equal(torch.cat([batch[name] for batch in sequential]), every[name])
-        # Many buffers, each filled from chunks cut where the buffer ends.
-        allocated.clear()
+        # Many windows, each of chunks cut where the window ends; a window's pages given back after it.
+        windows[:], released[:] = [0], []
         shuffled = list(result.batches(7, seed=3, values=names, buffer_bytes=BUFFER))
-        assert max(allocated) <= BUFFER  # the memory bound: one buffer (the batches are far smaller)
+        assert len(released) > 3 and set(released) == {0}  # the shards stay mapped, none of their pages resident
+        assert max(windows) * 528 <= BUFFER and sum(windows) == len(every["documents"])  # the memory bound
+        assert resident_shard_bytes(result.path) is None  # unmapped once the epoch ends
         order = torch.cat([batch["documents"] * 1000 + batch["offsets"] for batch in shuffled])
         keys = every["documents"] * 1000 + every["offsets"]
         assert sorted(order.tolist()) == sorted(keys.tolist()) and len(set(keys.tolist())) == len(keys)

@@ -120,6 +120,13 @@ def test_missing_or_truncated_shard_is_named_when_read(copy):
     (out / "shard-00001.safetensors").write_bytes(files["shard-00001.safetensors"][:50])
     with pytest.raises(HarvestError, match=r"shard-00001\.safetensors.*truncated: 50 bytes"):
         load_harvest(out).verify()
+    whole = files["shard-00001.safetensors"]
+    (out / "shard-00001.safetensors").write_bytes(whole[: 8 + int.from_bytes(whole[:8], "little") + 100])
+    for shuffle in (False, True):  # the header intact, the rows cut short: named by both reads
+        with pytest.raises(
+            HarvestError, match=r"cannot read shard-00001\.safetensors in .*ends \d+ bytes short.*rerun"
+        ):
+            list(load_harvest(out).batches(4, shuffle=shuffle))
 
 
 # ------------------------------------------------------------------------------------ the manifest

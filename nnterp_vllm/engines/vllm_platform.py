@@ -51,9 +51,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_KV_CACHE_BYTES",
     "CPU_WORKER_CLS",
+    "FIRST_BLOCKS",
     "PlatformVLLM",
     "accelerator_noop",
     "engine_kwargs",
+    "run_first_blocks",
     "is_cpu_platform",
     "shutdown",
     "shutdown_llm",
@@ -308,6 +310,27 @@ class PlatformVLLM(VLLM):
             return super()._load(repo_id, **kwargs)
 
 
+#: ``additional_config`` key: build only the first N blocks of the model (a harvest that reads nothing deeper).
+FIRST_BLOCKS = "nnterp_vllm_first_blocks"
+
+
+def run_first_blocks(model: torch.nn.Module, vllm_config: Any) -> None:
+    """Where ``additional_config[FIRST_BLOCKS]`` is N: make the loaded ``model``'s forward stop after its first
+    N blocks. vLLM's model code runs the blocks ``start_layer`` to ``end_layer`` of its block stack (the
+    pipeline-parallel range); this lowers ``end_layer``, so every module, weight and config value stays the
+    checkpoint's (nnsight on the worker finds the module tree the client has) and the later blocks never
+    run. Values after the blocks (the final norm, the logits) are then those of the cut model: only a reader
+    of earlier values asks for this. A model whose code has no such range (vLLM's Transformers backend)
+    runs every block."""
+    blocks = (vllm_config.additional_config or {}).get(FIRST_BLOCKS)
+    if not blocks:
+        return
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    for module in model.modules():
+        if getattr(module, "start_layer", None) == 0 and getattr(module, "end_layer", None) == total:
+            module.end_layer = min(total, max(1, int(blocks)))
+
+
 def shutdown(model: Any) -> None:
     """Shut down the engine behind an nnsight vLLM model so another can be built in this process.
 
@@ -352,10 +375,12 @@ def _define_worker_classes() -> None:
             super().record(mediator)
 
     class StandardizedRunner:
-        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`."""
+        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`, and its
+        model runs only the first blocks where ``additional_config`` asks (`run_first_blocks`)."""
 
         def load_model(self, *args: Any, **kwargs: Any) -> None:
             super().load_model(*args, **kwargs)  # type: ignore[misc]
+            run_first_blocks(self.model, self.vllm_config)  # type: ignore[attr-defined]
             self.nnsight_requests.__class__ = StandardizedRequests
 
     class NNsightCPUModelRunner(StandardizedRunner, NNsightGPUModelRunner, CPUModelRunner):

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 FORMATS = ("safetensors", "sae-lens")
@@ -74,6 +75,26 @@ class Column:
         wanted = len(out) * self.row_bytes
         got = os.preadv(descriptor, [view], self.offset + start * self.row_bytes)
         self._check(wanted, got)
+
+    def rows_of(self, mapped: mmap.mmap) -> np.ndarray:
+        """This column of a shard mapped whole as ``mapped``: ``[tokens, row_bytes]`` raw bytes, sharing its pages."""
+        wanted = self.tokens * self.row_bytes
+        if self.offset + wanted > len(mapped):
+            self._check(wanted, len(mapped) - self.offset)
+        return np.frombuffer(mapped, np.uint8, wanted, self.offset).reshape(self.tokens, self.row_bytes)
+
+    def writable(self, out: torch.Tensor) -> np.ndarray:
+        """``out`` (contiguous, this column's dtype) as the array `gather` writes into, sharing its memory."""
+        return out.numpy() if self.offset is None else out.view(torch.uint8).numpy().reshape(len(out), -1)
+
+    def gather(self, rows_of_shard: np.ndarray | None, rows: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` (`writable`) with the rows ``rows`` (valid, in any order), copied once from
+        ``rows_of_shard`` (`rows_of`; None for a computed column)."""
+        if self.offset is None:
+            np.floor_divide(rows, self.context, out=out)
+            return
+        # mode="clip" (the rows are in range) lets numpy write into `out` without an intermediate copy.
+        np.take(rows_of_shard, rows, axis=0, out=out, mode="clip")
 
     @staticmethod
     def _check(wanted: int, got: int) -> None:

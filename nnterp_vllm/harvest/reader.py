@@ -7,6 +7,7 @@ only torch (and ``datasets``/``pyarrow`` for the SAELens layout) can open a harv
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ import torch
 from .layouts import METADATA, Column, layout_of
 from .store import HarvestError, positive_int, read_manifest, shard_problem
 
-#: How many chunks, each from a random place of a random shard, fill one shuffle buffer.
-CHUNKS_PER_BUFFER = 16
+#: How many chunks, each from a random place of a random shard, make one shuffle window.
+CHUNKS_PER_WINDOW = 16
 
 
 @dataclass
@@ -141,15 +142,17 @@ class Harvest:
             seed: The permutation's seed (pass ``seed + epoch`` for a new order each epoch).
             values: The columns to yield: harvested values and ``token_ids``/``documents``/``offsets``/``rows``
                 (every harvested value by default).
-            buffer_bytes: The memory bound of a shuffled read. A buffer holds as many whole batches of the
+            buffer_bytes: The memory bound of a shuffled read. A window holds as many whole batches of the
                 chosen columns as fit in ``buffer_bytes`` (at least one); the tokens are cut into chunks of a
-                16th of a buffer, the chunks are read in a random order into the buffer, about 16 at a time
-                (so a buffer mixes up to 16 places of up to 16 shards), and each buffer's tokens are dealt
-                into batches in a random order. Memory: the buffer, plus the batch being built. A
-                sequential read holds one batch.
+                16th of a window, the chunks are taken in a random order, about 16 to a window (so a window
+                mixes up to 16 places of up to 16 shards), and each window's tokens are dealt into batches
+                in a random order. Memory: the window's pages of the shard files, mapped and released when
+                the window is done (page cache, read once from disk in chunk-sized runs), plus the batch
+                being built. A sequential read holds one batch.
             drop_last: Leave out a last batch shorter than ``batch_size``.
 
-        Every batch is a new tensor per column, read or gathered once from the files.
+        Every batch is a new tensor per column, copied once from the files (a shuffled batch is gathered
+        token by token straight from the mapped shards).
         """
         positive_int(batch_size, "batch_size")
         positive_int(buffer_bytes, "buffer_bytes")
@@ -160,9 +163,9 @@ class Harvest:
         located = {record["index"]: self._located(record) for record in records}
         sample = located[records[0]["index"]]
         token_bytes = max(1, sum(sample[name].row_bytes for name in names))
-        # A buffer holds a whole number of batches, so no batch straddles two; its chunks are a 16th of it.
+        # A window holds a whole number of batches, so no batch straddles two; its chunks are a 16th of it.
         capacity = max(batch_size, buffer_bytes // token_bytes // batch_size * batch_size) if shuffle else batch_size
-        chunk = max(1, capacity // CHUNKS_PER_BUFFER) if shuffle else batch_size
+        chunk = max(1, capacity // CHUNKS_PER_WINDOW) if shuffle else batch_size
         chunks = [
             (record, start, min(start + chunk, record["tokens"]))
             for record in records
@@ -173,22 +176,18 @@ class Harvest:
             return
         generator = torch.Generator().manual_seed(seed)
         chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
-        buffer = self._empty(sample, names, capacity)
-        pieces = iter(chunks)
-        piece = next(pieces, None)
-        while piece is not None:
-            total = 0  # fill the buffer from the chunks in their random order, cutting the last one taken
-            while piece is not None and total < capacity:
-                record, start, stop = piece
-                take = min(stop - start, capacity - total)
-                self._read(record, located[record["index"]], names, start, start + take, buffer, total)
-                total += take
-                piece = (record, start + take, stop) if start + take < stop else next(pieces, None)
-            order = torch.randperm(total, generator=generator).numpy()
-            for begin in range(0, total, batch_size):
-                picked = np.sort(order[begin : begin + batch_size])  # in buffer order: reads in address order
-                if len(picked) == batch_size or not drop_last:
-                    yield _as_read({name: _take(buffer[name], picked) for name in names})
+        mapped = _MappedShards(self, located)
+        try:
+            for window in _windows(chunks, capacity):
+                starts = np.cumsum([0, *(stop - start for _, start, stop in window)])
+                order = torch.randperm(int(starts[-1]), generator=generator).numpy()
+                for begin in range(0, len(order), batch_size):
+                    picked = np.sort(order[begin : begin + batch_size])  # in window order: reads in address order
+                    if len(picked) == batch_size or not drop_last:
+                        yield _as_read(mapped.gather(window, starts, picked, names))
+                mapped.release()
+        finally:
+            mapped.close()
 
     @contextlib.contextmanager
     def _open(self, record: dict[str, Any]) -> Iterator[int]:
@@ -250,19 +249,72 @@ class Harvest:
         return dataset
 
 
-def _take(tensor: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-    """``tensor[rows]`` as a new tensor, gathered by numpy as raw bytes: one thread, whatever the dtype.
+def _windows(chunks: list, capacity: int) -> Iterator[list[tuple[dict[str, Any], int, int]]]:
+    """The chunks, in their order, grouped into windows of ``capacity`` tokens (the last may hold fewer);
+    a chunk that does not fit is cut where its window ends, its rest starting the next one."""
+    window: list[tuple[dict[str, Any], int, int]] = []
+    total = 0
+    for record, start, stop in chunks:
+        while start < stop:
+            take = min(stop - start, capacity - total)
+            window.append((record, start, start + take))
+            total, start = total + take, start + take
+            if total == capacity:
+                yield window
+                window, total = [], 0
+    if window:
+        yield window
 
-    torch's own gather splits even a small one across its thread pool, which on a busy machine
-    costs many times the copy itself.
-    """
-    gathered = torch.from_numpy(np.take(_rows(tensor), rows, axis=0))
-    return gathered.view(tensor.dtype).reshape(len(rows), *tensor.shape[1:])
 
+class _MappedShards:
+    """The shards of a shuffled read, each mapped whole on first use and unmapped at the end; `release`
+    gives back the pages a window touched, so the resident part stays within one window."""
 
-def _rows(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor`` (contiguous) as a numpy array of raw bytes, one row per token, sharing its memory."""
-    return tensor.view(torch.uint8).reshape(len(tensor), tensor[:1].numel() * tensor.element_size()).numpy()
+    def __init__(self, harvest: Harvest, located: dict[int, dict[str, Column]]) -> None:
+        self.harvest = harvest
+        self.located = located
+        self.maps: dict[int, mmap.mmap] = {}
+        self.rows: dict[tuple[int, str], np.ndarray] = {}
+
+    def rows_of(self, record: dict[str, Any], name: str) -> np.ndarray | None:
+        column = self.located[record["index"]][name]
+        if column.offset is None:
+            return None
+        key = (record["index"], name)
+        if key not in self.rows:
+            try:
+                if record["index"] not in self.maps:
+                    with open(self.harvest.path / record["file"], "rb") as handle:
+                        self.maps[record["index"]] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                self.rows[key] = column.rows_of(self.maps[record["index"]])
+            except (OSError, ValueError) as error:
+                raise self.harvest._unreadable(record, error) from error
+        return self.rows[key]
+
+    def gather(self, window: list, starts: np.ndarray, picked: np.ndarray, names: list[str]) -> dict[str, torch.Tensor]:
+        """The batch of the window's tokens at positions ``picked`` (sorted; ``starts``: where each piece begins)."""
+        batch = Harvest._empty(self.located[window[0][0]["index"]], names, len(picked))
+        cuts = np.searchsorted(picked, starts)  # picked[cuts[j] : cuts[j + 1]] lie in piece j
+        pieces = [
+            (record, picked[cuts[j] : cuts[j + 1]] - starts[j] + start, slice(cuts[j], cuts[j + 1]))
+            for j, (record, start, _) in enumerate(window)
+            if cuts[j] < cuts[j + 1]
+        ]
+        for name in names:  # column by column: each batch tensor is written through once
+            out = self.located[window[0][0]["index"]][name].writable(batch[name])
+            for record, rows, place in pieces:
+                self.located[record["index"]][name].gather(self.rows_of(record, name), rows, out[place])
+        return batch
+
+    def release(self) -> None:
+        for mapped in self.maps.values():
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.rows.clear()  # the arrays over a mapping must go before it closes
+        for mapped in self.maps.values():
+            mapped.close()
+        self.maps.clear()
 
 
 def _as_read(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ keeps: a rerun compares those before it trusts (skips) a recorded shard.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -28,7 +29,7 @@ from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
 from .layouts import FORMATS
 from .reader import Harvest, load_harvest
 from .resume import Resume
-from .selection import ATTENTION_INTERIOR, Selection, Selector, check_selectors, parse, token_shape
+from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed, check_selectors, parse, token_shape
 from .store import OVERWRITE, HarvestError, Store, positive_int, write_shard
 
 ENGINES = ("transformers", "vllm")
@@ -77,6 +78,39 @@ def attention_of(model: Any) -> str:
     return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
+def build_settings(selectors: list[Selector], engine: str, model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments a harvest of ``selectors`` builds a checkpoint's model with, over the caller's:
+    on transformers the attention `attention_for` picks; on vLLM a forward that stops after the deepest
+    block read (`blocks_needed`; the engine's ``FIRST_BLOCKS`` setting)."""
+    kwargs = dict(model_kwargs or {})
+    if engine == "transformers":
+        kwargs.setdefault("attn_implementation", attention_for(selectors))
+        return kwargs
+    blocks = blocks_needed(selectors)
+    if blocks is not None:
+        from ..engines.vllm_platform import FIRST_BLOCKS
+
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), FIRST_BLOCKS: blocks}
+    return kwargs
+
+
+def blocks_run(selectors: list[Selector], model: Any) -> int:
+    """How many blocks each forward of a harvest of ``selectors`` by ``model`` runs: on transformers the
+    trace stops after the deepest block read; on vLLM the engine runs the blocks it was built to run
+    (every block unless built by `build_settings`). ValueError where those stop short of a selected value."""
+    needed = blocks_needed(selectors)
+    if model.ENGINE != "vllm":
+        return model.num_layers if needed is None else min(needed, model.num_layers)
+    from ..engines.vllm_platform import FIRST_BLOCKS
+
+    if model.blocks_run < (needed or model.num_layers):
+        raise ValueError(
+            f"this vLLM model runs only its first {model.blocks_run} blocks (additional_config {FIRST_BLOCKS}), "
+            f"short of the values selected, which need {needed or 'all'}: build it without that setting"
+        )
+    return model.blocks_run
+
+
 def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
     """A standardized model: ``model`` itself, or built from a checkpoint on ``engine``."""
     engine = _engine(engine)
@@ -86,7 +120,6 @@ def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = No
     if engine == "vllm":
         from ..engines.vllm import StandardizedVLLM
 
-        kwargs.setdefault("max_model_len", 2048)
         return StandardizedVLLM(model, dispatch=dispatch, **kwargs)
     from ..engines.transformers import StandardizedTransformer
 
@@ -375,7 +408,10 @@ def harvest(
             A checkpoint loads on transformers with sdpa attention, or eager when an attention-interior
             value (queries, keys, values, scores, probabilities, premix, head outputs) is selected;
             ``model_kwargs={"attn_implementation": ...}`` overrides. A model passed in keeps its own.
-            The manifest's ``attention`` says what ran.
+            The manifest's ``attention`` says what ran. Each forward stops after the deepest block a
+            selected value lies in (on vLLM, for a checkpoint the harvest builds itself; a vLLM model
+            passed in runs every block, its reads stopping there); the manifest's ``blocks_run`` says how
+            many ran.
         corpus: A .txt file (a document per line), a directory of .txt files, a .jsonl file, a
             ``datasets`` dataset (object or saved directory), or a list of texts or of token-id lists.
         values: Selectors such as ``layers.*.layer_output``, ``layers.6.mlp_output``,
@@ -414,12 +450,12 @@ def harvest(
     if distributed and not isinstance(model, str | Path):
         raise ValueError("workers > 1 builds one model per Ray worker: pass a checkpoint path, not a loaded model")
     source = Corpus(corpus, settings)
-    model_kwargs = dict(model_kwargs or {})
-    if engine == "transformers" and isinstance(model, str | Path):
-        model_kwargs.setdefault("attn_implementation", attention_for(selectors))
-    with Store(out, overwrite) as store:
+    model_kwargs = build_settings(selectors, engine, model_kwargs) if isinstance(model, str | Path) else {}
+    with Store(out, overwrite) as store, contextlib.ExitStack() as built:
         checkpoint = model
         model = load_model(model, engine, model_kwargs, dispatch=not distributed)
+        if model is not checkpoint and model.ENGINE == "vllm":
+            built.callback(model.shutdown)
         selections = parse(selectors, model, context_length)
         dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
         if format == "sae-lens" and dtype not in ("float32", "float16"):
@@ -437,6 +473,7 @@ def harvest(
                 "config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest(),
                 "engine": model.ENGINE,
                 "attention": attention_of(model),
+                "blocks_run": blocks_run(selectors, model),
                 "dtype": dtype,
                 "format": format,
                 "values": entries,

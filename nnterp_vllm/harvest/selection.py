@@ -205,6 +205,21 @@ def check_selectors(selectors: Iterable[str] | str, context_length: int | None) 
     return parsed
 
 
+def blocks_needed(selectors: list[Selector]) -> int | None:
+    """How many blocks a forward must run to reach every value ``selectors`` name: up to the deepest block
+    named (at least one); None where that is every block (a value after the blocks, or ``layers.*``)."""
+    deepest = 0
+    for selector in selectors:
+        if selector.root:
+            if selector.key in ROOT_AFTER_LAYERS:
+                return None
+            continue
+        if selector.ranges is None:
+            return None
+        deepest = max(deepest, *(last + 1 for _, last in selector.ranges))
+    return max(deepest, 1)
+
+
 def parse(selectors: Iterable[str] | str, model: Any, context_length: int | None) -> list[Selection]:
     """The selections ``selectors`` name on ``model``, in forward order; refuses unknown or unavailable values."""
     table = model.support()
