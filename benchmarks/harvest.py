@@ -6,14 +6,17 @@
 (c) our harvest of ``layers.3.layer_output`` only, against (c0) a plain forward of a 4-block model;
 (d) SAELens's own activation caching (``CacheActivationsRunner``) of ``model.layers.3``, same
     model, corpus, context and batch size (its model and a local text dataset, offline);
-(e) our harvest on vLLM, of all 30 ``layer_output`` s and of ``layers.3.layer_output``;
-and reading (b)'s harvest back with ``batches``: shuffled against sequential.
+(e) our harvest on vLLM, of all 30 ``layer_output`` s and of ``layers.3.layer_output``, each by a
+    model built for it as the harvest builds one (the second runs 4 blocks);
+and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c) run in
+alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the
+median of the rounds'.
 
 Tokens/s exclude model loading; peak RSS is the process's. The corpus: documents built from
 the shipped corpus's sentences, packed into rows of exactly the context length (as SAELens
 does). Prints the numbers and ratios; asserts nothing.
 
-    python benchmarks/harvest.py [--documents 240] [--context-length 128]
+    python benchmarks/harvest.py [--documents 240] [--context-length 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,8 @@ BATCH_SIZE = 8
 SHARD_BYTES = 256 * 2**20
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
+#: Measured in alternating rounds: each ratio's two sides see the same load.
+PAIRED = ("plain", "ours", "plain-4", "ours-3")
 
 
 def build_corpus(path: Path, count: int) -> None:
@@ -150,8 +156,6 @@ def read_back(out: Path, rounds: int = 9) -> dict[str, float]:
     in ``rounds`` rounds of one pass each after a pass that brings the files into the page cache: the best
     pass of each, and the median of the rounds' shuffled/sequential ratios (each round's two passes run
     back to back, so they see the same load)."""
-    import statistics
-
     from nnterp_vllm import load_harvest
 
     harvest = load_harvest(out)
@@ -176,10 +180,10 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch
         done = {"runs": [plain_forward(checkpoint, corpus, context_length, None)]}
     elif name == "plain-4":
         done = {"runs": [plain_forward(checkpoint, corpus, context_length, SHALLOW + 1)]}
-    elif name == "ours":
-        done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", [everything], scratch / "all")}
-    elif name == "ours-3":
-        done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", [shallow], scratch / "three")}
+    elif name in ("ours", "ours-3"):
+        selection, out = ([everything], scratch / "all") if name == "ours" else ([shallow], scratch / "three")
+        shutil.rmtree(out, ignore_errors=True)  # a new harvest each round, not a resumed one
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", selection, out)}
     elif name == "saelens":
         done = {"runs": [saelens_caching(checkpoint, corpus, context_length, tokens, scratch / "saelens")]}
     elif name == "vllm":
@@ -196,6 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=240)
     parser.add_argument("--context-length", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (a), (b), (c0), (c)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
@@ -211,24 +216,26 @@ def main() -> None:
             )
         )
         return
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
         build_corpus(Path(scratch) / "corpus.jsonl", args.documents)
         tokens = 0
-        for name in ("plain", "ours", "plain-4", "ours-3", "saelens", "vllm", "read"):
+        for name in [*PAIRED * args.rounds, "saelens", "vllm", "read"]:
             command = [sys.executable, __file__, "--child", name, "--scratch", scratch, f"--tokens={tokens}"]
             command += [f"--context-length={args.context_length}"]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"  {name}: failed\n{done.stderr[-3000:]}")
                 continue
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-            tokens = tokens or results[name]["runs"][0][0]
+            results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+            tokens = tokens or results[name][0]["runs"][0][0]
     report(results, args)
 
 
-def report(results: dict[str, dict], args: argparse.Namespace) -> None:
-    rate, seconds = {}, {}
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """Per measurement its median over the rounds; per ratio the median of the rounds' ratios, with their range."""
+    rates: dict[str, list[float]] = {}
+    seconds: dict[str, list[float]] = {}
     labels = {
         "plain": "(a) plain forward, base model, all hidden states",
         "ours": "(b) our harvest, all 30 layer_outputs",
@@ -239,19 +246,24 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         "vllm-3": f"(e3) our harvest on vLLM, layers.{SHALLOW}.layer_output",
     }
     print(
-        f"SmolLM2-135M fp32, {args.documents} documents packed into rows of {args.context_length}, batch {BATCH_SIZE}"
+        f"SmolLM2-135M fp32, {args.documents} documents packed into rows of {args.context_length}, batch {BATCH_SIZE}; "
+        f"(a)-(c) in {args.rounds} alternating rounds, medians shown"
     )
-    for name, result in results.items():
-        for index, run in enumerate(result.get("runs", [])):
+    for name, rounds in results.items():
+        for index in range(len(rounds[0].get("runs", []))):
             key = name if index == 0 else f"{name}-3"
-            rate[key], seconds[key] = run[0] / run[1], run[1]
-            attention = f"  attention {run[2]}, {run[3]} blocks" if len(run) > 2 else ""
+            runs = [result["runs"][index] for result in rounds]
+            rates[key] = [run[0] / run[1] for run in runs]
+            seconds[key] = [run[1] for run in runs]
+            run = runs[0]
+            extra = f"  attention {run[2]}, {run[3]} blocks" if len(run) > 2 else ""
+            peak = max(result["peak_mib"] for result in rounds)
             print(
-                f"  {labels[key]:58s} {rate[key]:8.1f} tokens/s  {run[1]:6.1f} s  "
-                f"peak RSS {result['peak_mib']:6.0f} MiB  ({run[0]} tokens){attention}"
+                f"  {labels[key]:58s} {statistics.median(rates[key]):8.1f} tokens/s  "
+                f"{statistics.median(seconds[key]):6.1f} s  peak RSS {peak:6.0f} MiB  ({run[0]} tokens){extra}"
             )
     if "read" in results:
-        read, peak = results["read"]["read"], results["read"]["peak_mib"]
+        read, peak = results["read"][0]["read"], results["read"][0]["peak_mib"]
         print(
             f"  reading (b) back, batches of {READ_BATCH}, every value, the default 256 MiB window, best of 9 "
             f"(peak RSS {peak:.0f} MiB):"
@@ -260,9 +272,11 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
             print(f"    {name:18s} {read[name]:10.0f} tokens/s")
     print("ratios (goal):")
 
-    def ratio(text: str, top: str, bottom: str, goal: str, by: dict = rate) -> None:
+    def ratio(text: str, top: str, bottom: str, goal: str, by: dict = rates) -> None:
         if top in by and bottom in by:
-            print(f"  {text:44s} {by[top] / by[bottom]:6.3f}   ({goal})")
+            each = [a / b for a, b in zip(by[top], by[bottom])]
+            spread = f"  rounds {min(each):.3f}..{max(each):.3f}" if len(each) > 1 else ""
+            print(f"  {text:44s} {statistics.median(each):6.3f}   ({goal}){spread}")
 
     ratio("(b)/(a) tokens/s", "ours", "plain", ">= 0.95")
     ratio("(c) time / (c0) time", "ours-3", "plain-4", "<= 1.2", by=seconds)
@@ -271,7 +285,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
     ratio("(e)/(b) tokens/s", "vllm", "ours", "")
     ratio("(e3)/(e) tokens/s", "vllm-3", "vllm", "")
     if "read" in results:
-        read = results["read"]["read"]
+        read = results["read"][0]["read"]
         print(
             f"  {'shuffled / sequential read, best passes':44s} {read['shuffled'] / read['sequential']:6.3f}   (>= 0.8)"
         )
