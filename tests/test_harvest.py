@@ -226,6 +226,38 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     assert shard_digests(out) == shard_digests(reference_out)
 
 
+def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(llama, tmp_path, monkeypatch):
+    """Shards are written on a thread while the next one is computed: an error in that computation still
+    finishes, records and keeps the shard under way, and the rerun computes only the rest."""
+    from nnterp_vllm.harvest import run as run_module
+
+    docs = documents(10)
+    reference = harvest(
+        llama, docs, ["layers.0.layer_output"], tmp_path / "reference", shard_bytes=20_000, progress=False
+    )
+    compute, computed = run_module.compute, []
+
+    def fails_on_the_third(model, unit, job):
+        if len(computed) == 2:
+            raise RuntimeError("the forward failed")
+        computed.append(unit.index)
+        return compute(model, unit, job)
+
+    monkeypatch.setattr(run_module, "compute", fails_on_the_third)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    assert sorted(shard_digests(out)) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert len(reference.shards) > 3
+    computed.clear()
+    monkeypatch.setattr(
+        run_module, "compute", lambda model, unit, job: computed.append(unit.index) or compute(model, unit, job)
+    )
+    harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
+    assert computed == list(range(2, len(reference.shards)))
+    assert shard_digests(out) == shard_digests(reference.path)
+
+
 HARVEST_SCRIPT = """
 import resource, sys
 from nnterp_vllm.harvest import harvest

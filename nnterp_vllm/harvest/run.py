@@ -5,7 +5,8 @@ The corpus becomes context rows (`corpus`), the rows become shards of about
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
 workers write the same shards. A shard is computed in batches (rows sorted by length on
 transformers, one invoke per row on vLLM, each forward stopped after the deepest value read)
-and written atomically in the chosen layout (`layouts`), then recorded in the manifest. On
+and written atomically in the chosen layout (`layouts`), on a thread while the next shard is
+computed, then recorded in the manifest. On
 transformers a checkpoint is loaded with sdpa attention unless an attention-interior value is
 read (then eager, which exposes it). Each unit carries the digest of the corpus read up to its cut, which its record
 keeps: a rerun compares those before it trusts (skips) a recorded shard.
@@ -19,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,8 +260,49 @@ def shard_record(unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, Any]
 
 def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     """Compute and write one shard; its manifest record."""
-    tensors = compute(model, unit, job)
+    return write_unit(unit, compute(model, unit, job), job)
+
+
+def write_unit(unit: Unit, tensors: dict[str, torch.Tensor], job: Job) -> dict[str, Any]:
+    """Write one computed shard; its manifest record."""
     return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors), job.settings)
+
+
+class BackgroundWriter:
+    """Writes each computed shard on a thread while the next one is computed, one write at a time, and
+    records it (``finished(index, record)``) on the caller's thread, in order. Memory: one shard more
+    than a computed one. On leaving, a write under way is finished and recorded, even after an error."""
+
+    def __init__(self, job: Job, finished: Callable[[int, dict[str, Any]], None]) -> None:
+        self.job = job
+        self.finished = finished
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harvest-writer")
+        self.pending: tuple[Unit, Future] | None = None
+
+    def put(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (unit ``unit``) once the write before it is done and recorded."""
+        self.drain()
+        self.pending = (unit, self.pool.submit(write_unit, unit, tensors, self.job))
+
+    def drain(self) -> None:
+        """Wait for the write under way and record it (its error, if any, raised here)."""
+        if self.pending is not None:
+            unit, future = self.pending
+            self.pending = None
+            self.finished(unit.index, future.result())
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, *error: Any) -> None:
+        try:
+            if error[0] is None:
+                self.drain()
+            elif self.pending is not None:
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    self.drain()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 class Progress:
@@ -514,8 +557,9 @@ def harvest(
 
             run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished)
         else:
-            for unit in todo:
-                finished(unit.index, run_unit(model, unit, job))
+            with BackgroundWriter(job, finished) as writer:
+                for unit in todo:
+                    writer.put(unit, compute(model, unit, job))
         store.finish(stats.as_dict(), documents.hexdigest())
         print(bar.summary(store.out))
     return load_harvest(store.out)
