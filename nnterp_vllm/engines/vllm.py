@@ -25,7 +25,7 @@ from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
 from . import saving
 from .tracing import OneAtATime
-from .vllm_platform import FIRST_BLOCKS, PlatformVLLM, shutdown
+from .vllm_platform import PlatformVLLM, blocks_to_run, shutdown
 
 
 class VLLMTracer(OneAtATime, NNsightVLLMTracer):
@@ -159,10 +159,9 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         super().__init__(str(checkpoint), **maps, **kwargs)
         nnterp.apply(self)
-        first = (kwargs.get("additional_config") or {}).get(FIRST_BLOCKS)
         #: How many blocks each forward runs: all, unless built with ``additional_config={FIRST_BLOCKS: n}``
         #: (`run_first_blocks`: values past them, the final norm and the logits included, are then the cut model's).
-        self.blocks_run = self.num_layers if first is None else min(int(first), self.num_layers)
+        self.blocks_run = blocks_to_run(kwargs.get("additional_config"), self.num_layers)
 
     @staticmethod
     def _sampling_kwargs(kwargs: dict) -> dict:

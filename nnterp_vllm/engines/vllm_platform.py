@@ -54,9 +54,10 @@ __all__ = [
     "FIRST_BLOCKS",
     "PlatformVLLM",
     "accelerator_noop",
+    "blocks_to_run",
     "engine_kwargs",
-    "run_first_blocks",
     "is_cpu_platform",
+    "run_first_blocks",
     "shutdown",
     "shutdown_llm",
     "transformers_classes_kept",
@@ -322,13 +323,20 @@ def run_first_blocks(model: torch.nn.Module, vllm_config: Any) -> None:
     run. Values after the blocks (the final norm, the logits) are then those of the cut model: only a reader
     of earlier values asks for this. A model whose code has no such range (vLLM's Transformers backend)
     runs every block."""
-    blocks = (vllm_config.additional_config or {}).get(FIRST_BLOCKS)
-    if not blocks:
-        return
     total = vllm_config.model_config.get_total_num_hidden_layers()
+    blocks = blocks_to_run(vllm_config.additional_config, total)
+    if blocks == total:
+        return
     for module in model.modules():
         if getattr(module, "start_layer", None) == 0 and getattr(module, "end_layer", None) == total:
-            module.end_layer = min(total, max(1, int(blocks)))
+            module.end_layer = blocks
+
+
+def blocks_to_run(additional_config: Any, total: int) -> int:
+    """How many of a model's ``total`` blocks each forward runs when built with ``additional_config``
+    (`run_first_blocks`): ``additional_config[FIRST_BLOCKS]``, at least one, or every block where unset."""
+    first = (additional_config or {}).get(FIRST_BLOCKS)
+    return total if not first else min(total, max(1, int(first)))
 
 
 def shutdown(model: Any) -> None:

@@ -171,8 +171,11 @@ class Harvest:
             for record in records
             for start in range(0, record["tokens"], chunk)
         ]
-        if not shuffle:
-            yield from self._in_order(chunks, located, names, batch_size, drop_last)
+        if not shuffle:  # each batch read straight from the files into its own tensors
+            for pieces in _windows(chunks, batch_size):
+                count = sum(stop - start for _, start, stop in pieces)
+                if count == batch_size or not drop_last:
+                    yield self._gathered(pieces, located, names, count)
             return
         generator = torch.Generator().manual_seed(seed)
         chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
@@ -202,21 +205,6 @@ class Harvest:
             raise self._unreadable(record, error) from error
         finally:
             os.close(descriptor)
-
-    def _in_order(self, chunks: list, located: dict, names: list[str], batch_size: int, drop_last: bool):
-        """The batches of a sequential read: each one read straight from the files into its own tensors."""
-        pending: list[tuple[dict[str, Any], int, int]] = []
-        count = 0
-        for index, (record, start, stop) in enumerate(chunks):
-            while start < stop:
-                take = min(stop - start, batch_size - count)
-                pending.append((record, start, start + take))
-                count += take
-                start += take
-                if count == batch_size or (index == len(chunks) - 1 and start == stop):
-                    if count == batch_size or not drop_last:
-                        yield self._gathered(pending, located, names, count)
-                    pending, count = [], 0
 
     def _gathered(self, pieces: list, located: dict, names: list[str], count: int) -> dict[str, torch.Tensor]:
         batch = self._empty(located[pieces[0][0]["index"]], names, count)
@@ -250,8 +238,8 @@ class Harvest:
 
 
 def _windows(chunks: list, capacity: int) -> Iterator[list[tuple[dict[str, Any], int, int]]]:
-    """The chunks, in their order, grouped into windows of ``capacity`` tokens (the last may hold fewer);
-    a chunk that does not fit is cut where its window ends, its rest starting the next one."""
+    """The chunks, in their order, grouped into windows (or batches) of ``capacity`` tokens (the last may hold
+    fewer); a chunk that does not fit is cut where its window ends, its rest starting the next one."""
     window: list[tuple[dict[str, Any], int, int]] = []
     total = 0
     for record, start, stop in chunks:
@@ -293,7 +281,8 @@ class _MappedShards:
 
     def gather(self, window: list, starts: np.ndarray, picked: np.ndarray, names: list[str]) -> dict[str, torch.Tensor]:
         """The batch of the window's tokens at positions ``picked`` (sorted; ``starts``: where each piece begins)."""
-        batch = Harvest._empty(self.located[window[0][0]["index"]], names, len(picked))
+        first = self.located[window[0][0]["index"]]
+        batch = Harvest._empty(first, names, len(picked))
         cuts = np.searchsorted(picked, starts)  # picked[cuts[j] : cuts[j + 1]] lie in piece j
         pieces = [
             (record, picked[cuts[j] : cuts[j + 1]] - starts[j] + start, slice(cuts[j], cuts[j + 1]))
@@ -301,7 +290,7 @@ class _MappedShards:
             if cuts[j] < cuts[j + 1]
         ]
         for name in names:  # column by column: each batch tensor is written through once
-            out = self.located[window[0][0]["index"]][name].writable(batch[name])
+            out = first[name].writable(batch[name])
             for record, rows, place in pieces:
                 self.located[record["index"]][name].gather(self.rows_of(record, name), rows, out[place])
         return batch

@@ -298,7 +298,7 @@ class BackgroundWriter:
         try:
             if error[0] is None:
                 self.drain()
-            elif self.pending is not None:
+            else:
                 with contextlib.suppress(Exception):  # the first error is the one to report
                     self.drain()
         finally:
