@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import tiny
 import torch
 
@@ -55,7 +56,7 @@ def llama(llama_path):
 
 def shard_digests(out: Path) -> dict[str, str]:
     manifest = json.loads((out / "manifest.json").read_text())
-    return {record["file"]: record["sha256"] for record in manifest["shards"].values()}
+    return {record["file"]: record["xxh3_128"] for record in manifest["shards"].values()}
 
 
 def test_values_equal_a_direct_trace(llama, tmp_path):
@@ -71,6 +72,9 @@ def test_values_equal_a_direct_trace(llama, tmp_path):
     )
     assert len(result.shards) > 1
     result.verify()
+    for path, shard in zip(result.shards, result):  # safetensors' own reader opens each shard as written
+        written = safetensors.torch.load_file(path)
+        assert written.keys() == shard.keys() and all(torch.equal(written[name], shard[name]) for name in shard)
     columns = {name: result.load(name) for name in ("documents", "offsets", "token_ids", "layers.2.layer_output")}
     pattern = result.load("layers.1.self_attn.attention_probabilities")
     assert pattern.shape[1:] == (llama.num_heads, 48)
@@ -215,7 +219,7 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
             Path(path).write_bytes(b"half a shard")
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(path)
-        real_write(path, tensors)
+        return real_write(path, tensors)
 
     monkeypatch.setattr(layouts_module, "write_tensors", write_then_fill_up)
     with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):

@@ -6,6 +6,7 @@ was (or, for a new one, create nothing) and load no model when the input alone i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -137,7 +138,7 @@ def test_missing_or_truncated_shard_is_named_when_read(copy):
     [
         (lambda text: text[: len(text) // 2], r"manifest\.json is damaged \(.*: line \d+, column \d+\)"),
         (lambda text: "[]", r"manifest\.json is damaged \(not a harvest manifest"),
-        (lambda text: text.replace('"sha256"', '"sha"'), r"manifest\.json is damaged \(the record of shard"),
+        (lambda text: text.replace('"xxh3_128"', '"xxh"'), r"manifest\.json is damaged \(the record of shard"),
     ],
     ids=["truncated", "not-a-manifest", "record-lacks-a-key"],
 )
@@ -163,11 +164,40 @@ def test_overwrite_replaces_a_damaged_manifest(llama, copy):
 def test_a_manifest_of_the_older_layout_is_refused_for_resuming(llama, copy):
     corpus, out, _ = copy
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["format"] = manifest.pop("version") - 1
+    del manifest["version"]
+    manifest["format"] = 1  # version 1 spelled its version so
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(HarvestError, match=r"older nnterp_vllm \(layout version 1\).*--overwrite"):
         run(llama, corpus, out)
     assert len(load_harvest(out)) > 0  # still readable
+
+
+def test_a_harvest_with_sha256_checksums_resumes_checking_them(llama, copy, caplog):
+    """A version-2 directory records sha256 checksums: a resume checks its shards by them (a damaged one
+    is recomputed), records new shards with xxh3-128, and ends as the same files as a new run."""
+    corpus, out, files = copy
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["version"], manifest["complete"] = 2, False
+    for record in manifest["shards"].values():
+        del record["xxh3_128"]
+        record["sha256"] = hashlib.sha256((out / record["file"]).read_bytes()).hexdigest()
+    del manifest["shards"]["3"]
+    (out / "shard-00003.safetensors").unlink()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    damaged = out / "shard-00001.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-8] + b"\xff" * 8)
+    assert len(load_harvest(out)) > 0
+    with caplog.at_level(logging.WARNING, logger="nnterp_vllm.harvest"):
+        run(llama, corpus, out)
+    assert [record.getMessage() for record in caplog.records if "shard-00001" in record.getMessage()]
+    resumed = load_harvest(out)
+    assert resumed.manifest["version"] == 3 and resumed.manifest["complete"]
+    checksums = [next(key for key in ("sha256", "xxh3_128") if key in record) for record in resumed.records]
+    assert checksums[0] == "sha256" and checksums[1] == checksums[3] == "xxh3_128"
+    resumed.verify()
+    assert {name: data for name, data in snapshot(out).items() if name.endswith(".safetensors")} == {
+        name: data for name, data in files.items() if name.endswith(".safetensors")
+    }
 
 
 # ------------------------------------------------------------------------------------ the corpus

@@ -1,9 +1,9 @@
 """How a harvest's shards are laid out on disk: safetensors files (the default) or SAELens's cached-activation dataset.
 
-A layout writes one shard from per-token tensors and says where in the file each column's
-tokens lie (`Column`: every column is stored token after token, contiguous), so a reader can
-read any range of tokens straight into a tensor with one ``preadv``. Importing this module
-imports neither nnsight nor vLLM.
+A layout writes one shard from per-token tensors (each column in parts, as computed) and says
+where in the file each column's tokens lie (`Column`: every column is stored token after token,
+contiguous), so a reader can read any range of tokens straight into a tensor with one
+``preadv``. Importing this module imports neither nnsight nor vLLM.
 
 ``sae-lens``: the output directory is itself a ``datasets`` ``save_to_disk`` directory that
 SAELens's cached-activation training reads as it is: one row per sequence of exactly
@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
 
 FORMATS = ("safetensors", "sae-lens")
 #: The per-token columns every shard holds besides the values.
@@ -102,11 +104,44 @@ class Column:
             raise ValueError(f"the file ends {wanted - got} bytes short of the rows the manifest records")
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as one safetensors file at ``path``."""
-    from safetensors.torch import save_file
+#: Shard columns as computed: each column's parts (one per context row), in corpus order.
+Columns = dict[str, list[torch.Tensor]]
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+
+def joined(columns: Columns) -> dict[str, torch.Tensor]:
+    """Each column as one tensor."""
+    return {name: torch.cat(parts) for name, parts in columns.items()}
+
+
+def write_tensors(path: Path, columns: Columns) -> str:
+    """Write ``columns`` as one safetensors file at ``path``, straight from their parts (no joined copy);
+    its checksum (`checksums.CHECKSUM`), computed from the bytes as they are written."""
+    parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
+    # Larger elements first, as safetensors orders them: every tensor starts aligned to its element size.
+    order = sorted(parts, key=lambda name: -parts[name][0].element_size())
+    header: dict[str, Any] = {}
+    start = 0
+    for name in order:
+        first = parts[name][0]
+        size = sum(part.numel() for part in parts[name]) * first.element_size()
+        shape = [sum(len(part) for part in parts[name]), *first.shape[1:]]
+        header[name] = {"dtype": SAFETENSORS_NAMES[first.dtype], "shape": shape, "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
+    buffers = [len(text).to_bytes(8, "little") + text]
+    buffers += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for name in order for part in parts[name]]
+    digest = HASHES[CHECKSUM]()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for buffer in buffers:
+            digest.update(buffer)
+            while len(buffer):
+                buffer = buffer[os.write(descriptor, buffer) :]
+    finally:
+        os.close(descriptor)
+    return digest.hexdigest()
 
 
 class Safetensors:
@@ -122,8 +157,9 @@ class Safetensors:
     def file_name(index: int) -> str:
         return f"shard-{index:05d}.safetensors"
 
-    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
-        write_tensors(path, tensors)
+    def write(self, path: Path, columns: Columns) -> str:
+        """Write one shard at ``path``; its checksum."""
+        return write_tensors(path, columns)
 
     def locate(self, path: Path) -> dict[str, Column]:
         """Where every column of the shard at ``path`` lies: from the safetensors header."""
@@ -170,9 +206,11 @@ class SaeLens:
         columns["offsets"] = Sequence(Value("int64"), length=self.context)
         return Features(columns)
 
-    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def write(self, path: Path, columns: Columns) -> str:
+        """Write one shard at ``path``; its checksum."""
         from datasets.arrow_writer import ArrowWriter
 
+        tensors = joined(columns)
         def by_row(tensor: torch.Tensor) -> Any:
             return tensor.reshape(-1, self.context, *tensor.shape[1:]).numpy()
 
@@ -188,6 +226,7 @@ class SaeLens:
             writer.finalize()
         finally:
             writer.close()
+        return file_checksum(path)
 
     def locate(self, path: Path) -> dict[str, Column]:
         """Where every column of the shard at ``path`` lies, under our names: from the arrow stream's buffers."""
@@ -227,7 +266,8 @@ class SaeLens:
         if not records:
             return
         info = asdict(DatasetInfo(features=self.features()))
-        fingerprint = hashlib.sha256("".join(record["sha256"] for record in records).encode()).hexdigest()[:16]
+        checksums = "".join(record[recorded_checksum(record)] for record in records)
+        fingerprint = hashlib.sha256(checksums.encode()).hexdigest()[:16]
         state = {
             "_data_files": [{"filename": record["file"]} for record in records],
             "_fingerprint": fingerprint,
@@ -246,4 +286,4 @@ def layout_of(manifest: dict[str, Any]) -> Safetensors | SaeLens:
     return SaeLens(manifest) if manifest.get("format") == "sae-lens" else Safetensors(manifest)
 
 
-__all__ = ["FORMATS", "METADATA", "Column", "SaeLens", "Safetensors", "layout_of", "write_tensors"]
+__all__ = ["FORMATS", "METADATA", "Column", "Columns", "SaeLens", "Safetensors", "joined", "layout_of", "write_tensors"]

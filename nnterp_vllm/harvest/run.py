@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
-from .layouts import FORMATS
+from .layouts import FORMATS, Columns
 from .reader import Harvest, load_harvest
 from .resume import Resume
 from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed, check_selectors, parse, token_shape
@@ -156,19 +156,22 @@ def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], 
 
 
 def _kept(row: Row, positions: Any) -> slice | torch.Tensor:
+    """Which of a row's positions are kept: all (a view of the row's value) or an index (a copy: what is
+    left out does not stay in memory with it)."""
     count = len(row.token_ids)
     if positions == "all":
         return slice(None)
     if positions == "last":
-        return slice(count - 1, count)
+        return torch.tensor([count - 1])
     mask = torch.as_tensor(positions(list(row.token_ids)), dtype=torch.bool)
     if mask.shape != (count,):
         raise ValueError(f"the positions mask has shape {tuple(mask.shape)}; expected one flag per token, ({count},)")
     return mask
 
 
-def compute(model: Any, unit: Unit, job: Job) -> dict[str, torch.Tensor]:
-    """The shard's tensors: metadata and every selected value, ``[kept tokens, ...]``, in corpus order."""
+def compute(model: Any, unit: Unit, job: Job) -> Columns:
+    """The shard's columns: metadata and every selected value, one ``[kept tokens, ...]`` part per row, in
+    corpus order (a layout writes the parts as they are)."""
     per_row = _run_vllm(model, unit.rows, job) if model.ENGINE == "vllm" else _run_transformers(model, unit.rows, job)
     dtype = getattr(torch, job.dtype)
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("token_ids", "documents", "offsets", "rows")}
@@ -183,7 +186,7 @@ def compute(model: Any, unit: Unit, job: Job) -> dict[str, torch.Tensor]:
             value = values[selection.name][kept]
             # Expert indices stay integers; activations are stored in the harvest's dtype.
             columns[selection.name].append(value.to(dtype) if value.is_floating_point() else value)
-    return {name: torch.cat(parts) for name, parts in columns.items()}
+    return columns
 
 
 def batches(unit_rows: list[Row], batch_size: int, pad: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
@@ -244,14 +247,14 @@ def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torc
     ]
 
 
-def shard_record(unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def shard_record(unit: Unit, columns: Columns) -> dict[str, Any]:
     """What the manifest says of a shard besides its file and checksum."""
     documents = [document for row in unit.rows for document in row.documents]
     return {
         "index": unit.index,
         "rows": len(unit.rows),
         "row_tokens": unit.tokens,
-        "tokens": int(tensors["token_ids"].shape[0]),
+        "tokens": sum(len(part) for part in columns["token_ids"]),
         "first_document": min(documents),
         "last_document": max(documents),
         "corpus_sha256": unit.corpus_sha256,
@@ -263,9 +266,9 @@ def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     return write_unit(unit, compute(model, unit, job), job)
 
 
-def write_unit(unit: Unit, tensors: dict[str, torch.Tensor], job: Job) -> dict[str, Any]:
+def write_unit(unit: Unit, columns: Columns, job: Job) -> dict[str, Any]:
     """Write one computed shard; its manifest record."""
-    return write_shard(Path(job.out), unit.index, tensors, shard_record(unit, tensors), job.settings)
+    return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings)
 
 
 class BackgroundWriter:
@@ -279,10 +282,10 @@ class BackgroundWriter:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harvest-writer")
         self.pending: tuple[Unit, Future] | None = None
 
-    def put(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` (unit ``unit``) once the write before it is done and recorded."""
+    def put(self, unit: Unit, columns: Columns) -> None:
+        """Write ``columns`` (unit ``unit``) once the write before it is done and recorded."""
         self.drain()
-        self.pending = (unit, self.pool.submit(write_unit, unit, tensors, self.job))
+        self.pending = (unit, self.pool.submit(write_unit, unit, columns, self.job))
 
     def drain(self) -> None:
         """Wait for the write under way and record it (its error, if any, raised here)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -27,15 +26,17 @@ import secrets
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from .layouts import SaeLens, Safetensors, layout_of
+from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
+from .layouts import Columns, SaeLens, Safetensors, layout_of
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
-#: The manifest's layout version; this version writes 2 and reads 1 and 2.
-VERSION = 2
-READABLE = (1, 2)
+#: The manifest's layout version; this version writes 3 and reads 1 to 3. Version 3 records
+#: xxh3-128 shard checksums (version 2 recorded sha256, still checked: a version-2 harvest resumes).
+VERSION = 3
+READABLE = (1, 2, 3)
+#: Versions whose shard records carry the corpus digests a resume checks.
+RESUMABLE = (2, 3)
 #: Manifest keys that must match for a run to continue a directory.
 SETTINGS = (
     "model",
@@ -49,7 +50,7 @@ SETTINGS = (
     "context",
     "shard_bytes",
 )
-RECORD_KEYS = ("index", "file", "bytes", "sha256", "tokens")
+RECORD_KEYS = ("index", "file", "bytes", "tokens")
 OVERWRITE = "overwrite=True (--overwrite)"
 
 log = logging.getLogger("nnterp_vllm.harvest")
@@ -64,14 +65,6 @@ def positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return value
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def staging(path: Path) -> Path:
@@ -118,6 +111,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key, record in manifest["shards"].items():
         if not isinstance(record, dict) or any(name not in record for name in RECORD_KEYS):
             raise _damaged(path, f"the record of shard {key!r} lacks one of {RECORD_KEYS}")
+        if recorded_checksum(record) is None:
+            raise _damaged(path, f"the record of shard {key!r} carries no checksum (one of {tuple(HASHES)})")
     return manifest
 
 
@@ -137,7 +132,8 @@ def shard_problem(directory: Path, record: dict[str, Any]) -> str | None:
     if size != record["bytes"]:
         kind = "truncated" if size < record["bytes"] else "too long"
         return f"{kind}: {size} bytes, the manifest records {record['bytes']}"
-    if sha256(path) != record["sha256"]:
+    checksum = recorded_checksum(record)
+    if file_checksum(path, checksum) != record[checksum]:
         return "damaged: its checksum differs from the manifest's"
     return None
 
@@ -226,7 +222,7 @@ class Store:
         """Start or continue the harvest with ``settings``: refuse other settings, drop shards that fail their check."""
         existing = self.existing
         if existing is not None and not self.overwrite:
-            if version(existing) != VERSION:
+            if version(existing) not in RESUMABLE:
                 raise HarvestError(
                     f"{self.out / MANIFEST} was written by an older nnterp_vllm (layout version {version(existing)}), "
                     f"which recorded no corpus digests to resume by; use another --out directory, or {OVERWRITE} "
@@ -248,7 +244,8 @@ class Store:
             existing = None
         for leftover in self.out.glob("*.tmp"):
             leftover.unlink()
-        self.manifest = existing or {"version": VERSION, **settings, "shards": {}, "complete": False}
+        self.manifest = existing or {**settings, "shards": {}, "complete": False}
+        self.manifest["version"] = VERSION  # what the records added from now on need to be read
         self.settings = {key: self.manifest[key] for key in settings}
         self.recorded = {int(index): record for index, record in self.manifest["shards"].items()}
         self.recorded_complete = bool(self.manifest.get("complete"))
@@ -294,7 +291,7 @@ class Store:
 
 
 def write_shard(
-    out: Path, index: int, tensors: dict[str, torch.Tensor], record: dict[str, Any], settings: dict[str, Any]
+    out: Path, index: int, columns: Columns, record: dict[str, Any], settings: dict[str, Any]
 ) -> dict[str, Any]:
     """Write one shard in the layout ``settings`` name, under a temporary name, then rename it;
     a failed write leaves nothing behind."""
@@ -302,8 +299,7 @@ def write_shard(
     path = Path(out) / layout.file_name(index)
     temporary = staging(path)
     try:
-        layout.write(temporary, tensors)
-        digest = sha256(temporary)
+        digest = layout.write(temporary, columns)
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
@@ -311,4 +307,4 @@ def write_shard(
             f"cannot write {path.name} in {out}: {error.strerror or error}. The partial file was removed; "
             "free space (or fix permissions) and rerun the same command to resume."
         ) from error
-    return {**record, "file": path.name, "bytes": path.stat().st_size, "sha256": digest}
+    return {**record, "file": path.name, "bytes": path.stat().st_size, CHECKSUM: digest}
