@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -531,50 +530,39 @@ def test_what_the_sae_lens_layout_cannot_hold_is_refused(llama, tmp_path, kwargs
 BUFFER = 160 * 528
 
 
-def resident_shard_bytes(directory: Path) -> int | None:
-    """The bytes of ``directory``'s files this process has mapped and resident (from /proc/self/smaps),
-    or None when none of them is mapped."""
-    resident, mapped = 0, False
-    current = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if re.match(r"[0-9a-f]+-[0-9a-f]+$", fields[0]):  # a mapping's header: address range, ..., [path]
-            current = len(fields) >= 6 and fields[5].startswith(str(directory))
-            mapped = mapped or current
-        elif current and fields[0] == "Rss:":
-            resident += int(fields[1]) * 1024
-    return resident if mapped else None
+def mapped_shards(directory: Path) -> bool:
+    """Whether this process has any file of ``directory`` mapped (from /proc/self/maps)."""
+    return str(directory) in Path("/proc/self/maps").read_text()
 
 
 def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
-    windows: list[int] = [0]  # tokens gathered from the mapped shards since the last release
-    released: list[int | None] = []
-    gather, release = reader_module._MappedShards.gather, reader_module._MappedShards.release
+    windows: list[int] = []  # tokens read per window
+    allocated: list[int] = []  # bytes of each batch buffer allocated (not reused)
+    window, allocate = reader_module._Scatter.window, reader_module._Scatter.allocate
 
-    def counted(self, window, starts, picked, names):
-        windows[-1] += len(picked)
-        return gather(self, window, starts, picked, names)
+    def counted(self, window_pieces, starts, order, batch_size):
+        windows.append(len(order))
+        return window(self, window_pieces, starts, order, batch_size)
 
-    def measured(self):
-        release(self)
-        released.append(resident_shard_bytes(self.harvest.path))
-        windows.append(0)
+    def allocations(size):
+        allocated.append(size)
+        return allocate(size)
 
-    monkeypatch.setattr(reader_module._MappedShards, "gather", counted)
-    monkeypatch.setattr(reader_module._MappedShards, "release", measured)
+    monkeypatch.setattr(reader_module._Scatter, "window", counted)
+    monkeypatch.setattr(reader_module._Scatter, "allocate", staticmethod(allocations))
     for result in harvests:
+        result = load_harvest(result.path)  # opened anew: no batch buffers kept from an earlier epoch
         names = ["layers.1.layer_output", "documents", "offsets"]
         every = {name: result.load(name) for name in names}
         sequential = list(result.batches(7, shuffle=False, values=names))
         assert all(len(batch["documents"]) == 7 for batch in sequential[:-1])
         for name in names:
             assert torch.equal(torch.cat([batch[name] for batch in sequential]), every[name])
-        # Many windows, each of chunks cut where the window ends; a window's pages given back after it.
-        windows[:], released[:] = [0], []
+        # Many windows, each of chunks cut where the window ends, every batch held: none of their buffers reused.
+        windows[:], allocated[:] = [], []
         shuffled = list(result.batches(7, seed=3, values=names, buffer_bytes=BUFFER))
-        assert len(released) > 3 and set(released) == {0}  # the shards stay mapped, none of their pages resident
-        assert max(windows) * 528 <= BUFFER and sum(windows) == len(every["documents"])  # the memory bound
-        assert resident_shard_bytes(result.path) is None  # unmapped once the epoch ends
+        assert len(windows) > 3 and max(windows) * 528 <= BUFFER and sum(windows) == len(every["documents"])
+        assert len(allocated) == len(shuffled)
         order = torch.cat([batch["documents"] * 1000 + batch["offsets"] for batch in shuffled])
         keys = every["documents"] * 1000 + every["offsets"]
         assert sorted(order.tolist()) == sorted(keys.tolist()) and len(set(keys.tolist())) == len(keys)
@@ -582,9 +570,19 @@ def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
         position = {key: i for i, key in enumerate(keys.tolist())}
         mine = torch.tensor([position[key] for key in order.tolist()])
         torch.testing.assert_close(torch.cat([b["layers.1.layer_output"] for b in shuffled]), every[names[0]][mine])
-        again = torch.cat([b["documents"] for b in result.batches(7, seed=3, values=names, buffer_bytes=BUFFER)])
+        # Each batch dropped once used: the buffers (the held epoch's, now free) are reused, the batches the
+        # same; no shard is ever mapped.
+        allocated[:], again, kept = [], [], []
+        for number, batch in enumerate(result.batches(7, seed=3, values=names, buffer_bytes=BUFFER)):
+            assert not mapped_shards(result.path)
+            again.append(batch["documents"].clone())
+            if number % 10 == 0:  # a view kept of some: their buffers stay the caller's
+                kept.append((number, batch["layers.1.layer_output"][1:]))
+            assert torch.equal(batch["layers.1.layer_output"], shuffled[number]["layers.1.layer_output"])
+        assert len(allocated) < len(shuffled) / 2 and torch.equal(torch.cat(again), order // 1000)
+        assert all(torch.equal(view, shuffled[number]["layers.1.layer_output"][1:]) for number, view in kept)
         other = torch.cat([b["documents"] for b in result.batches(7, seed=4, values=names, buffer_bytes=BUFFER)])
-        assert torch.equal(again, order // 1000) and not torch.equal(other, again)
+        assert not torch.equal(other, order // 1000)
         dropped = list(result.batches(7, seed=3, values=names, drop_last=True))
         assert all(len(batch["offsets"]) == 7 for batch in dropped) and len(dropped) == len(keys) // 7
     with pytest.raises(ValueError, match=r"\['nope'\] are not in this harvest"):

@@ -17,6 +17,7 @@ so far and are rewritten with the manifest after each one.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -32,6 +33,11 @@ import torch
 from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
 
 FORMATS = ("safetensors", "sae-lens")
+#: The most buffers one ``preadv`` takes (Linux's ``IOV_MAX``).
+IOV_MAX = 1024
+_preadv = ctypes.CDLL(None, use_errno=True).preadv
+_preadv.restype = ctypes.c_ssize_t
+_preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
 #: The per-token columns every shard holds besides the values.
 METADATA = ("token_ids", "documents", "offsets", "rows")
 SAFETENSORS_DTYPES = {
@@ -78,25 +84,23 @@ class Column:
         got = os.preadv(descriptor, [view], self.offset + start * self.row_bytes)
         self._check(wanted, got)
 
-    def rows_of(self, mapped: mmap.mmap) -> np.ndarray:
-        """This column of a shard mapped whole as ``mapped``: ``[tokens, row_bytes]`` raw bytes, sharing its pages."""
-        wanted = self.tokens * self.row_bytes
-        if self.offset + wanted > len(mapped):
-            self._check(wanted, len(mapped) - self.offset)
-        return np.frombuffer(mapped, np.uint8, wanted, self.offset).reshape(self.tokens, self.row_bytes)
+    def scatter(self, descriptor: int, start: int, addresses: np.ndarray) -> None:
+        """Read the rows from ``start`` on, one to each address in ``addresses`` (uint64, each with room for
+        a row), in one ``preadv`` per ``IOV_MAX`` rows: the kernel copies the file's rows straight to their
+        places. A stored column only (`computed` gives a computed one)."""
+        vectors = np.empty((len(addresses), 2), np.uint64)
+        vectors[:, 0], vectors[:, 1] = addresses, self.row_bytes
+        for first in range(0, len(vectors), IOV_MAX):
+            part = vectors[first : first + IOV_MAX]
+            got = _preadv(descriptor, part.ctypes.data, len(part), self.offset + (start + first) * self.row_bytes)
+            if got < 0:
+                error = ctypes.get_errno()
+                raise OSError(error, os.strerror(error))
+            self._check(len(part) * self.row_bytes, got)
 
-    def writable(self, out: torch.Tensor) -> np.ndarray:
-        """``out`` (contiguous, this column's dtype) as the array `gather` writes into, sharing its memory."""
-        return out.numpy() if self.offset is None else out.view(torch.uint8).numpy().reshape(len(out), -1)
-
-    def gather(self, rows_of_shard: np.ndarray | None, rows: np.ndarray, out: np.ndarray) -> None:
-        """Fill ``out`` (`writable`) with the rows ``rows`` (valid, in any order), copied once from
-        ``rows_of_shard`` (`rows_of`; None for a computed column)."""
-        if self.offset is None:
-            np.floor_divide(rows, self.context, out=out)
-            return
-        # mode="clip" (the rows are in range) lets numpy write into `out` without an intermediate copy.
-        np.take(rows_of_shard, rows, axis=0, out=out, mode="clip")
+    def computed(self, tokens: np.ndarray) -> np.ndarray:
+        """A computed column's values at the shard's tokens ``tokens``."""
+        return tokens // self.context
 
     @staticmethod
     def _check(wanted: int, got: int) -> None:

@@ -7,10 +7,10 @@ only torch (and ``datasets``/``pyarrow`` for the SAELens layout) can open a harv
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ class Harvest:
 
     path: Path
     manifest: dict[str, Any]
+    #: A shuffled read's batch buffers, kept for the next epoch (see `batches`).
+    _buffers: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def values(self) -> list[str]:
@@ -146,13 +148,16 @@ class Harvest:
                 chosen columns as fit in ``buffer_bytes`` (at least one); the tokens are cut into chunks of a
                 16th of a window, the chunks are taken in a random order, about 16 to a window (so a window
                 mixes up to 16 places of up to 16 shards), and each window's tokens are dealt into batches
-                in a random order. Memory: the window's pages of the shard files, mapped and released when
-                the window is done (page cache, read once from disk in chunk-sized runs), plus the batch
-                being built. A sequential read holds one batch.
+                in a random order. Memory: a window's batches, all read before the first is yielded (at most
+                ``buffer_bytes``, or one batch), plus the batches the caller still holds; the files are read,
+                never mapped, each chunk in one run. A sequential read holds one batch.
             drop_last: Leave out a last batch shorter than ``batch_size``.
 
-        Every batch is a new tensor per column, copied once from the files (a shuffled batch is gathered
-        token by token straight from the mapped shards).
+        Every batch is copied once from the files: a sequential batch is one tensor per column, read in
+        one ``preadv`` each; a shuffled batch's columns are views of one buffer, each token's rows read
+        by the kernel straight from the file into its slot. A shuffled batch's buffer is reused for a
+        later batch (this epoch's, or the next's: the harvest keeps the last window's free buffers, at most
+        ``buffer_bytes``) only once no tensor over it is left, so holding (or keeping a view of) a batch is safe.
         """
         positive_int(batch_size, "batch_size")
         positive_int(buffer_bytes, "buffer_bytes")
@@ -179,18 +184,19 @@ class Harvest:
             return
         generator = torch.Generator().manual_seed(seed)
         chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator).tolist()]
-        mapped = _MappedShards(self, located)
+        scatter = _Scatter(self, located, names)
         try:
             for window in _windows(chunks, capacity):
                 starts = np.cumsum([0, *(stop - start for _, start, stop in window)])
                 order = torch.randperm(int(starts[-1]), generator=generator).numpy()
-                for begin in range(0, len(order), batch_size):
-                    picked = np.sort(order[begin : begin + batch_size])  # in window order: reads in address order
-                    if len(picked) == batch_size or not drop_last:
-                        yield _as_read(mapped.gather(window, starts, picked, names))
-                mapped.release()
+                batches = scatter.window(window, starts, order, batch_size)
+                if drop_last and len(order) % batch_size:
+                    batches.pop()  # the epoch's last batch, short
+                batches.reverse()
+                while batches:  # nothing here keeps a batch once it is yielded
+                    yield _as_read(batches.pop())
         finally:
-            mapped.close()
+            scatter.close()
 
     @contextlib.contextmanager
     def _open(self, record: dict[str, Any]) -> Iterator[int]:
@@ -254,56 +260,89 @@ def _windows(chunks: list, capacity: int) -> Iterator[list[tuple[dict[str, Any],
         yield window
 
 
-class _MappedShards:
-    """The shards of a shuffled read, each mapped whole on first use and unmapped at the end; `release`
-    gives back the pages a window touched, so the resident part stays within one window."""
+class _Scatter:
+    """A shuffled epoch's reads. A window's batches are built at once: the kernel reads each chunk's rows,
+    in file order, straight from the shard into each token's slot in its batch (one ``preadv`` per chunk
+    and column, `Column.scatter`); no shard is mapped. A batch's columns lie in one buffer, reused once
+    the caller holds no tensor over it (so a new batch is written to pages already in memory)."""
 
-    def __init__(self, harvest: Harvest, located: dict[int, dict[str, Column]]) -> None:
+    def __init__(self, harvest: Harvest, located: dict[int, dict[str, Column]], names: list[str]) -> None:
         self.harvest = harvest
         self.located = located
-        self.maps: dict[int, mmap.mmap] = {}
-        self.rows: dict[tuple[int, str], np.ndarray] = {}
+        self.names = names
+        self.descriptors: dict[int, int] = {}
+        self.buffers = harvest._buffers
 
-    def rows_of(self, record: dict[str, Any], name: str) -> np.ndarray | None:
-        column = self.located[record["index"]][name]
-        if column.offset is None:
-            return None
-        key = (record["index"], name)
-        if key not in self.rows:
-            try:
-                if record["index"] not in self.maps:
-                    with open(self.harvest.path / record["file"], "rb") as handle:
-                        self.maps[record["index"]] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-                self.rows[key] = column.rows_of(self.maps[record["index"]])
-            except (OSError, ValueError) as error:
-                raise self.harvest._unreadable(record, error) from error
-        return self.rows[key]
-
-    def gather(self, window: list, starts: np.ndarray, picked: np.ndarray, names: list[str]) -> dict[str, torch.Tensor]:
-        """The batch of the window's tokens at positions ``picked`` (sorted; ``starts``: where each piece begins)."""
+    def window(self, window: list, starts: np.ndarray, order: np.ndarray, batch_size: int) -> list[dict]:
+        """The window's batches: batch ``b`` holds its tokens at positions ``order[b * batch_size :][:batch_size]``
+        (``starts``: where each piece of the window begins), in window order."""
         first = self.located[window[0][0]["index"]]
-        batch = Harvest._empty(first, names, len(picked))
-        cuts = np.searchsorted(picked, starts)  # picked[cuts[j] : cuts[j + 1]] lie in piece j
-        pieces = [
-            (record, picked[cuts[j] : cuts[j + 1]] - starts[j] + start, slice(cuts[j], cuts[j + 1]))
-            for j, (record, start, _) in enumerate(window)
-            if cuts[j] < cuts[j + 1]
-        ]
-        for name in names:  # column by column: each batch tensor is written through once
-            out = first[name].writable(batch[name])
-            for record, rows, place in pieces:
-                self.located[record["index"]][name].gather(self.rows_of(record, name), rows, out[place])
+        slots = np.empty(len(order), np.uint64)  # each window position's place in the batches: batch * size + slot
+        picks = [np.sort(order[begin : begin + batch_size]) for begin in range(0, len(order), batch_size)]
+        for number, picked in enumerate(picks):
+            slots[picked] = np.arange(number * batch_size, number * batch_size + len(picked))
+        # Buffers the caller still holds a tensor over are the caller's now: forget them.
+        self.buffers[:] = [self.buffers[i] for i in range(len(self.buffers)) if _unheld(self.buffers, i)]
+        batches = [self.batch(first, len(picked)) for picked in picks]
+        tokens = np.concatenate([np.arange(start, stop) for _, start, stop in window])  # each position's, in its shard
+        which, slot = np.divmod(slots, np.uint64(batch_size))
+        for name in self.names:
+            if first[name].offset is None:
+                for batch, picked in zip(batches, picks):
+                    batch[name].copy_(torch.from_numpy(first[name].computed(tokens[picked])))
+                continue
+            bases = np.array([batch[name].data_ptr() for batch in batches], np.uint64)
+            addresses = bases[which] + slot * np.uint64(first[name].row_bytes)
+            for j, (record, start, _) in enumerate(window):
+                column = self.located[record["index"]][name]
+                try:
+                    column.scatter(self.descriptor(record), start, addresses[starts[j] : starts[j + 1]])
+                except (OSError, ValueError) as error:
+                    raise self.harvest._unreadable(record, error) from error
+        return batches
+
+    def batch(self, first: dict[str, Column], count: int) -> dict[str, torch.Tensor]:
+        """An unfilled batch of ``count`` tokens: each column a view of one buffer, 64-byte aligned."""
+        sizes = [-(-count * first[name].row_bytes // 64) * 64 for name in self.names]
+        buffer = self.buffer(sum(sizes))
+        batch, at = {}, 0
+        for name, size in zip(self.names, sizes):
+            column = first[name]
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=count * column.row_bytes, offset=at)
+            batch[name] = raw.view(column.dtype).view(count, *column.shape)
+            at += size
         return batch
 
-    def release(self) -> None:
-        for mapped in self.maps.values():
-            mapped.madvise(mmap.MADV_DONTNEED)
+    def buffer(self, size: int) -> np.ndarray:
+        """A buffer of ``size`` bytes no tensor is over: one of the earlier windows', or a new one."""
+        for i in range(len(self.buffers)):
+            if self.buffers[i].nbytes == size and _unheld(self.buffers, i):
+                return self.buffers[i]
+        self.buffers.append(self.allocate(size))
+        return self.buffers[-1]
+
+    @staticmethod
+    def allocate(size: int) -> np.ndarray:
+        return np.empty(size, np.uint8)
+
+    def descriptor(self, record: dict[str, Any]) -> int:
+        if record["index"] not in self.descriptors:
+            try:
+                self.descriptors[record["index"]] = os.open(self.harvest.path / record["file"], os.O_RDONLY)
+            except OSError as error:
+                raise self.harvest._unreadable(record, error) from error
+        return self.descriptors[record["index"]]
 
     def close(self) -> None:
-        self.rows.clear()  # the arrays over a mapping must go before it closes
-        for mapped in self.maps.values():
-            mapped.close()
-        self.maps.clear()
+        for descriptor in self.descriptors.values():
+            os.close(descriptor)
+        self.descriptors.clear()
+
+
+def _unheld(buffers: list[np.ndarray], i: int) -> bool:
+    """Whether no tensor is over ``buffers[i]`` (a tensor made by ``torch.frombuffer`` holds its buffer): its only
+    references are the list's and this call's argument."""
+    return sys.getrefcount(buffers[i]) == 2
 
 
 def _as_read(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
