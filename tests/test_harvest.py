@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -538,7 +539,7 @@ def mapped_shards(directory: Path) -> bool:
 def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
     windows: list[int] = []  # tokens read per window
     allocated: list[int] = []  # bytes of each batch buffer allocated (not reused)
-    window, allocate = reader_module._Scatter.window, reader_module._Scatter.allocate
+    window, allocate = reader_module._Scatter.window, reader_module._Buffers.allocate
 
     def counted(self, window_pieces, starts, order, batch_size):
         windows.append(len(order))
@@ -549,7 +550,7 @@ def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
         return allocate(size)
 
     monkeypatch.setattr(reader_module._Scatter, "window", counted)
-    monkeypatch.setattr(reader_module._Scatter, "allocate", staticmethod(allocations))
+    monkeypatch.setattr(reader_module._Buffers, "allocate", staticmethod(allocations))
     for result in harvests:
         result = load_harvest(result.path)  # opened anew: no batch buffers kept from an earlier epoch
         names = ["layers.1.layer_output", "documents", "offsets"]
@@ -587,6 +588,26 @@ def test_batches_visit_every_token_once_per_epoch(harvests, monkeypatch):
         assert all(len(batch["offsets"]) == 7 for batch in dropped) and len(dropped) == len(keys) // 7
     with pytest.raises(ValueError, match=r"\['nope'\] are not in this harvest"):
         next(harvests[0].batches(7, values=["nope"]))
+
+
+def test_threads_reading_one_harvest_each_get_their_own_batches(harvests):
+    """Two threads, each an epoch of the same harvest, letting each batch go after copying it: every batch
+    equals the single-threaded epoch's (no buffer is taken by both while the other still fills or reads it)."""
+    result, name = load_harvest(harvests[0].path), "layers.1.layer_output"
+    expected = [batch[name].clone() for batch in result.batches(7, seed=1, values=[name], buffer_bytes=BUFFER)]
+    copies: list[list[torch.Tensor]] = [[], []]
+
+    def epoch(number: int) -> None:
+        for batch in result.batches(7, seed=1, values=[name], buffer_bytes=BUFFER):
+            copies[number].append(batch[name].clone())
+
+    threads = [threading.Thread(target=epoch, args=(number,)) for number in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for copied in copies:
+        assert len(copied) == len(expected) and all(torch.equal(a, b) for a, b in zip(copied, expected))
 
 
 TRAINER_SCRIPT = """

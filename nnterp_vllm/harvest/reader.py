@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,8 @@ class Harvest:
 
     path: Path
     manifest: dict[str, Any]
-    #: A shuffled read's batch buffers, kept for the next epoch (see `batches`).
-    _buffers: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
+    #: A shuffled read's batch buffers, kept for the next window or epoch (see `batches`).
+    _buffers: _Buffers = field(default_factory=lambda: _Buffers(), repr=False, compare=False)
 
     @property
     def values(self) -> list[str]:
@@ -156,7 +157,7 @@ class Harvest:
         Every batch is copied once from the files: a sequential batch is one tensor per column, read in
         one ``preadv`` each; a shuffled batch's columns are views of one buffer, each token's rows read
         by the kernel straight from the file into its slot. A shuffled batch's buffer is reused for a
-        later batch (this epoch's, or the next's: the harvest keeps the last window's free buffers, at most
+        later batch (this epoch's, or the next's: the harvest keeps the last window's buffers, at most
         ``buffer_bytes``) only once no tensor over it is left, so holding (or keeping a view of) a batch is safe.
         """
         positive_int(batch_size, "batch_size")
@@ -271,7 +272,6 @@ class _Scatter:
         self.located = located
         self.names = names
         self.descriptors: dict[int, int] = {}
-        self.buffers = harvest._buffers
 
     def window(self, window: list, starts: np.ndarray, order: np.ndarray, batch_size: int) -> list[dict]:
         """The window's batches: batch ``b`` holds its tokens at positions ``order[b * batch_size :][:batch_size]``
@@ -281,9 +281,10 @@ class _Scatter:
         picks = [np.sort(order[begin : begin + batch_size]) for begin in range(0, len(order), batch_size)]
         for number, picked in enumerate(picks):
             slots[picked] = np.arange(number * batch_size, number * batch_size + len(picked))
-        # Buffers the caller still holds a tensor over are the caller's now: forget them.
-        self.buffers[:] = [self.buffers[i] for i in range(len(self.buffers)) if _unheld(self.buffers, i)]
-        batches = [self.batch(first, len(picked)) for picked in picks]
+        sizes = [[-(-len(picked) * first[name].row_bytes // 64) * 64 for name in self.names] for picked in picks]
+        buffers = self.harvest._buffers.take([sum(size) for size in sizes])
+        batches = [self.batch(first, len(picked), buffer, size) for picked, buffer, size in zip(picks, buffers, sizes)]
+        del buffers
         tokens = np.concatenate([np.arange(start, stop) for _, start, stop in window])  # each position's, in its shard
         which, slot = np.divmod(slots, np.uint64(batch_size))
         for name in self.names:
@@ -301,10 +302,8 @@ class _Scatter:
                     raise self.harvest._unreadable(record, error) from error
         return batches
 
-    def batch(self, first: dict[str, Column], count: int) -> dict[str, torch.Tensor]:
-        """An unfilled batch of ``count`` tokens: each column a view of one buffer, 64-byte aligned."""
-        sizes = [-(-count * first[name].row_bytes // 64) * 64 for name in self.names]
-        buffer = self.buffer(sum(sizes))
+    def batch(self, first: dict[str, Column], count: int, buffer: np.ndarray, sizes: list[int]) -> dict:
+        """An unfilled batch of ``count`` tokens: each column a view of ``buffer``, ``sizes`` bytes apart."""
         batch, at = {}, 0
         for name, size in zip(self.names, sizes):
             column = first[name]
@@ -312,18 +311,6 @@ class _Scatter:
             batch[name] = raw.view(column.dtype).view(count, *column.shape)
             at += size
         return batch
-
-    def buffer(self, size: int) -> np.ndarray:
-        """A buffer of ``size`` bytes no tensor is over: one of the earlier windows', or a new one."""
-        for i in range(len(self.buffers)):
-            if self.buffers[i].nbytes == size and _unheld(self.buffers, i):
-                return self.buffers[i]
-        self.buffers.append(self.allocate(size))
-        return self.buffers[-1]
-
-    @staticmethod
-    def allocate(size: int) -> np.ndarray:
-        return np.empty(size, np.uint8)
 
     def descriptor(self, record: dict[str, Any]) -> int:
         if record["index"] not in self.descriptors:
@@ -339,9 +326,37 @@ class _Scatter:
         self.descriptors.clear()
 
 
+class _Buffers:
+    """A harvest's batch buffers for shuffled reads, each reused once no tensor over it is left (a tensor made
+    by ``torch.frombuffer`` holds its buffer): the latest window's, and the window's before it that the
+    caller still held when the latest was taken (its current batch, likely let go soon; dropped if still
+    held a window later). What this keeps beyond what the caller holds is at most one window."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # two threads reading one harvest never take the same buffer
+        self.latest: list[np.ndarray] = []
+        self.held: list[np.ndarray] = []
+
+    def take(self, sizes: list[int]) -> list[np.ndarray]:
+        """Buffers of ``sizes`` bytes for a new window, none with a tensor over it."""
+        with self.lock:
+            latest = [_unheld(self.latest, i) for i in range(len(self.latest))]
+            held = [_unheld(self.held, i) for i in range(len(self.held))]
+            spare = [buffer for buffer, free in zip([*self.latest, *self.held], latest + held) if free]
+            self.held = [buffer for buffer, free in zip(self.latest, latest) if not free]
+            self.latest = []
+            for size in sizes:
+                fits = [i for i in range(len(spare)) if spare[i].nbytes == size]
+                self.latest.append(spare.pop(fits[0]) if fits else self.allocate(size))
+            return list(self.latest)
+
+    @staticmethod
+    def allocate(size: int) -> np.ndarray:
+        return np.empty(size, np.uint8)
+
+
 def _unheld(buffers: list[np.ndarray], i: int) -> bool:
-    """Whether no tensor is over ``buffers[i]`` (a tensor made by ``torch.frombuffer`` holds its buffer): its only
-    references are the list's and this call's argument."""
+    """Whether nothing but the list (and this call's argument) refers to ``buffers[i]``."""
     return sys.getrefcount(buffers[i]) == 2
 
 
