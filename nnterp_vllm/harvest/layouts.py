@@ -215,6 +215,7 @@ class SaeLens:
         from datasets.arrow_writer import ArrowWriter
 
         tensors = joined(columns)
+
         def by_row(tensor: torch.Tensor) -> Any:
             return tensor.reshape(-1, self.context, *tensor.shape[1:]).numpy()
 
