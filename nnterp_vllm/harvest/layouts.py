@@ -75,7 +75,7 @@ class Column:
     def read(self, descriptor: int, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, ``len(out)`` rows of this column's dtype) with the rows from ``start`` on."""
         if self.offset is None:
-            torch.floor_divide(torch.arange(start, start + len(out)), self.context, out=out)
+            out.copy_(torch.from_numpy(self.computed(np.arange(start, start + len(out)))))
             return
         if not len(out):
             return
