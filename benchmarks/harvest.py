@@ -6,15 +6,19 @@
 (c) our harvest of ``layers.3.layer_output`` only, against (c0) a plain forward of a 4-block model;
 (d) SAELens's own activation caching (``CacheActivationsRunner``) of ``model.layers.3``, same
     model, corpus, context and batch size (its model and a local text dataset, offline);
-(e) our harvest on vLLM, of all 30 ``layer_output`` s and of ``layers.3.layer_output``, each by a
-    model built for it as the harvest builds one (the second runs 4 blocks);
-and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c) run in
+(e) our harvest on vLLM through nnsight (a `StandardizedVLLM` passed in), all 30 ``layer_output`` s;
+(f) our harvest on vLLM as it runs by default, the values kept inside the engine's compiled model, of all 30
+    ``layer_output`` s and of ``layers.3.layer_output``, each by an engine built for it as the harvest builds
+    one (the second runs 4 blocks), against (g) plain vLLM prefilling the same rows (``max_tokens=1``, its
+    default compiled mode, the same scheduler settings), the ceiling;
+and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c) and (g)/(f) run in
 alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the
 median of the rounds'.
 
-Tokens/s exclude model loading; peak RSS is the process's. The corpus: documents built from
-the shipped corpus's sentences, packed into rows of exactly the context length (as SAELens
-does). Prints the numbers and ratios; asserts nothing.
+Tokens/s and CPU time exclude model loading (CPU time: every thread of the process, the in-process engine's
+included); peak RSS is the process's. The corpus: documents built from the shipped corpus's sentences,
+packed into rows of exactly the context length (as SAELens does). Prints the numbers and ratios; asserts
+nothing.
 
     python benchmarks/harvest.py [--documents 240] [--context-length 128] [--rounds 3]
 """
@@ -43,7 +47,43 @@ SHARD_BYTES = 256 * 2**20
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
-PAIRED = ("plain", "ours", "plain-4", "ours-3")
+PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm")
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far, every thread's, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def packed_rows(checkpoint: str, corpus: Path, context_length: int) -> list[list[int]]:
+    """The harvest's rows of the corpus: documents packed into rows of the context length."""
+    from transformers import AutoTokenizer
+
+    from nnterp_vllm.harvest.corpus import ContextSettings, read_documents, rows
+
+    settings = ContextSettings(context_length=context_length, overflow="pack")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return [list(row.token_ids) for row in rows(read_documents(str(corpus), settings=settings), tokenizer, settings)]
+
+
+def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int) -> dict:
+    """Plain vLLM (its default compiled mode, the harvest engine's scheduler settings) prefilling the harvest's
+    rows, one token sampled each; tokens, seconds, CPU seconds."""
+    from vllm import LLM, SamplingParams
+
+    from nnterp_vllm.engines.vllm_platform import engine_kwargs, shutdown_llm
+    from nnterp_vllm.harvest.in_engine import ENGINE_DEFAULTS
+
+    prompts = [{"prompt_token_ids": ids} for ids in packed_rows(checkpoint, corpus, context_length)]
+    llm = LLM(checkpoint, **engine_kwargs(checkpoint, dtype="float32", **ENGINE_DEFAULTS))
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        began, cpu = time.perf_counter(), cpu_seconds()
+        llm.generate(prompts, params, use_tqdm=False)
+        return measured(sum(len(prompt["prompt_token_ids"]) for prompt in prompts), began, cpu)
+    finally:
+        shutdown_llm(llm)
 
 
 def build_corpus(path: Path, count: int) -> None:
@@ -55,7 +95,12 @@ def build_corpus(path: Path, count: int) -> None:
             handle.write(json.dumps({"text": " ".join(picks)}) + "\n")
 
 
-def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: int | None) -> tuple[int, float]:
+def measured(tokens: int, began: float, cpu: float, **more: object) -> dict:
+    """A run's record: tokens, wall seconds and CPU seconds since ``began`` / ``cpu``, and ``more``."""
+    return {"tokens": tokens, "seconds": time.perf_counter() - began, "cpu": cpu_seconds() - cpu, **more}
+
+
+def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: int | None) -> dict:
     """Tokens through the base model (``blocks`` of them, or all) over the harvest's rows, keeping every
     block's output for the real tokens; seconds."""
     import torch
@@ -68,7 +113,7 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: in
     extra = {} if blocks is None else {"num_hidden_layers": blocks}
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", **extra).eval()
     base = model.model
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), cpu_seconds()
     settings = ContextSettings(context_length=context_length, overflow="pack")
     per_token = model.config.num_hidden_layers * model.config.hidden_size * 4
     units = plan(rows(read_documents(str(corpus), settings=settings), tokenizer, settings), SHARD_BYTES // per_token)
@@ -80,25 +125,37 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: in
             kept = [layer[mask.bool()].clone() for layer in hidden.hidden_states[1:]]  # what a harvest keeps
             tokens += int(mask.sum())
             del kept
-    return tokens, time.perf_counter() - began
+    return measured(tokens, began, cpu)
 
 
 def our_harvest(
-    checkpoint: str, corpus: Path, context_length: int, engine: str, selections: list[list[str]], out: Path
+    checkpoint: str,
+    corpus: Path,
+    context_length: int,
+    engine: str,
+    selections: list[list[str]],
+    out: Path,
+    through_nnsight: bool = False,
 ):
     """Per selection: tokens harvested to disk (a directory under ``out``) by a model built for it as the
-    harvest builds one (`build_settings`: attention on transformers, the blocks run on vLLM); seconds,
-    model loading excluded; the attention used; the blocks each forward ran."""
+    harvest builds one (`build_settings`: attention on transformers, the blocks run and the in-engine path on
+    vLLM; a `StandardizedVLLM` where ``through_nnsight``); seconds and CPU seconds, model loading excluded;
+    the attention used; the blocks each forward ran; the vLLM path."""
     from nnterp_vllm.harvest import harvest
+    from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS
     from nnterp_vllm.harvest.run import build_settings, load_model
     from nnterp_vllm.harvest.selection import check_selectors
 
     results = []
     for number, values in enumerate(selections):
         given = {"dtype": "float32"} if engine == "vllm" else {}
-        model = load_model(checkpoint, engine, build_settings(check_selectors(values, context_length), engine, given))
+        settings = build_settings(check_selectors(values, context_length), engine, given)
+        if through_nnsight:
+            settings = {name: value for name, value in settings.items() if name not in ENGINE_DEFAULTS}
+            settings.pop(CAPTURE_VALUES, None)
+        model = load_model(checkpoint, engine, settings)
         try:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), cpu_seconds()
             result = harvest(
                 model,
                 str(corpus),
@@ -110,15 +167,18 @@ def our_harvest(
                 shard_bytes=SHARD_BYTES,
                 progress=False,
             )
-            seconds = time.perf_counter() - began
+            run = measured(len(result), began, cpu)
         finally:
             if engine == "vllm":
                 model.shutdown()
-        results.append((len(result), seconds, result.manifest["attention"], result.manifest["blocks_run"]))
+        manifest = result.manifest
+        results.append({**run, "note": f"attention {manifest['attention']}, {manifest['blocks_run']} blocks"})
+        if manifest.get("vllm_path"):
+            results[-1]["note"] += f", path {manifest['vllm_path']}"
     return results
 
 
-def saelens_caching(checkpoint: str, corpus: Path, context_length: int, tokens: int, out: Path) -> tuple[int, float]:
+def saelens_caching(checkpoint: str, corpus: Path, context_length: int, tokens: int, out: Path) -> dict:
     """SAELens's CacheActivationsRunner over the same text, model, block and context; tokens cached, seconds."""
     from sae_lens import CacheActivationsRunner, CacheActivationsRunnerConfig
 
@@ -146,9 +206,9 @@ def saelens_caching(checkpoint: str, corpus: Path, context_length: int, tokens: 
         prepend_bos=True,
     )
     runner = CacheActivationsRunner(config)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), cpu_seconds()
     dataset = runner.run()
-    return len(dataset) * context_length, time.perf_counter() - began
+    return measured(len(dataset) * context_length, began, cpu)
 
 
 def read_back(out: Path, rounds: int = 9) -> dict[str, float]:
@@ -187,8 +247,17 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch
     elif name == "saelens":
         done = {"runs": [saelens_caching(checkpoint, corpus, context_length, tokens, scratch / "saelens")]}
     elif name == "vllm":
+        shutil.rmtree(scratch / "vllm", ignore_errors=True)
+        shutil.rmtree(scratch / "vllm-1", ignore_errors=True)
         done = {
             "runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], scratch / "vllm")
+        }
+    elif name == "plain-vllm":
+        done = {"runs": [plain_vllm_prefill(checkpoint, corpus, context_length)]}
+    elif name == "vllm-nnsight":
+        out = scratch / "vllm-nnsight"
+        done = {
+            "runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out, through_nnsight=True)
         }
     else:
         done = {"read": read_back(scratch / "all")}
@@ -200,7 +269,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=240)
     parser.add_argument("--context-length", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (a), (b), (c0), (c)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (a), (b), (c0), (c), (g), (f)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
@@ -220,7 +289,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
         build_corpus(Path(scratch) / "corpus.jsonl", args.documents)
         tokens = 0
-        for name in [*PAIRED * args.rounds, "saelens", "vllm", "read"]:
+        for name in [*PAIRED * args.rounds, "saelens", "vllm-nnsight", "read"]:
             command = [sys.executable, __file__, "--child", name, "--scratch", scratch, f"--tokens={tokens}"]
             command += [f"--context-length={args.context_length}"]
             done = subprocess.run(command, capture_output=True, text=True)
@@ -228,7 +297,7 @@ def main() -> None:
                 print(f"  {name}: failed\n{done.stderr[-3000:]}")
                 continue
             results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-            tokens = tokens or results[name][0]["runs"][0][0]
+            tokens = tokens or results[name][0]["runs"][0]["tokens"]
     report(results, args)
 
 
@@ -236,31 +305,34 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     """Per measurement its median over the rounds; per ratio the median of the rounds' ratios, with their range."""
     rates: dict[str, list[float]] = {}
     seconds: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     labels = {
         "plain": "(a) plain forward, base model, all hidden states",
         "ours": "(b) our harvest, all 30 layer_outputs",
         "plain-4": "(c0) plain forward of 4 blocks",
         "ours-3": f"(c) our harvest, layers.{SHALLOW}.layer_output",
         "saelens": f"(d) SAELens CacheActivationsRunner, model.layers.{SHALLOW}",
-        "vllm": "(e) our harvest on vLLM, all 30 layer_outputs",
-        "vllm-3": f"(e3) our harvest on vLLM, layers.{SHALLOW}.layer_output",
+        "vllm-nnsight": "(e) our harvest on vLLM through nnsight, all 30",
+        "plain-vllm": "(g) plain vLLM prefill of the same rows",
+        "vllm": "(f) our harvest on vLLM in the engine, all 30",
+        "vllm-3": f"(f3) our harvest on vLLM in the engine, layers.{SHALLOW}",
     }
     print(
         f"SmolLM2-135M fp32, {args.documents} documents packed into rows of {args.context_length}, batch {BATCH_SIZE}; "
-        f"(a)-(c) in {args.rounds} alternating rounds, medians shown"
+        f"(a)-(c), (f), (g) in {args.rounds} alternating rounds, medians shown"
     )
     for name, rounds in results.items():
         for index in range(len(rounds[0].get("runs", []))):
             key = name if index == 0 else f"{name}-3"
             runs = [result["runs"][index] for result in rounds]
-            rates[key] = [run[0] / run[1] for run in runs]
-            seconds[key] = [run[1] for run in runs]
-            run = runs[0]
-            extra = f"  attention {run[2]}, {run[3]} blocks" if len(run) > 2 else ""
+            rates[key] = [run["tokens"] / run["seconds"] for run in runs]
+            seconds[key] = [run["seconds"] for run in runs]
+            cpu[key] = [run["cpu"] / run["tokens"] * 1000 for run in runs]
             peak = max(result["peak_mib"] for result in rounds)
             print(
-                f"  {labels[key]:58s} {statistics.median(rates[key]):8.1f} tokens/s  "
-                f"{statistics.median(seconds[key]):6.1f} s  peak RSS {peak:6.0f} MiB  ({run[0]} tokens){extra}"
+                f"  {labels[key]:54s} {statistics.median(rates[key]):8.1f} tokens/s  "
+                f"{statistics.median(seconds[key]):6.1f} s  CPU {statistics.median(cpu[key]):5.2f} s/1k tokens  "
+                f"peak RSS {peak:6.0f} MiB  ({runs[0]['tokens']} tokens)  {runs[0].get('note', '')}"
             )
     if "read" in results:
         read, peak = results["read"][0]["read"], results["read"][0]["peak_mib"]
@@ -276,20 +348,23 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
         if top in by and bottom in by:
             each = [a / b for a, b in zip(by[top], by[bottom])]
             spread = f"  rounds {min(each):.3f}..{max(each):.3f}" if len(each) > 1 else ""
-            print(f"  {text:44s} {statistics.median(each):6.3f}   ({goal}){spread}")
+            print(f"  {text:50s} {statistics.median(each):6.3f}   ({goal}){spread}")
 
     ratio("(b)/(a) tokens/s", "ours", "plain", ">= 0.95")
     ratio("(c) time / (c0) time", "ours-3", "plain-4", "<= 1.2", by=seconds)
     ratio("(c)/(d) tokens/s", "ours-3", "saelens", ">= 1")
     ratio("(c)/(b) tokens/s: cost falls with depth", "ours-3", "ours", "> 1")
-    ratio("(e)/(b) tokens/s", "vllm", "ours", "")
-    ratio("(e3)/(e) tokens/s", "vllm-3", "vllm", "")
+    ratio("(f)/(g) tokens/s (wall)", "vllm", "plain-vllm", ">= 0.9")
+    ratio("(g)/(f) CPU time per token", "plain-vllm", "vllm", ">= 0.9", by=cpu)
+    ratio("(f3)/(g) tokens/s: 4 blocks against the whole model", "vllm-3", "plain-vllm", ">= 4")
+    ratio("(f)/(b) tokens/s: vLLM against transformers", "vllm", "ours", ">= 3")
+    ratio("(f)/(e) tokens/s: in the engine against nnsight", "vllm", "vllm-nnsight", "")
     if "read" in results:
         read = results["read"][0]["read"]
         print(
-            f"  {'shuffled / sequential read, best passes':44s} {read['shuffled'] / read['sequential']:6.3f}   (>= 0.8)"
+            f"  {'shuffled / sequential read, best passes':50s} {read['shuffled'] / read['sequential']:6.3f}   (>= 0.8)"
         )
-        print(f"  {'shuffled / sequential read, median round':44s} {read['median ratio']:6.3f}   (>= 0.8)")
+        print(f"  {'shuffled / sequential read, median round':50s} {read['median ratio']:6.3f}   (>= 0.8)")
 
 
 if __name__ == "__main__":

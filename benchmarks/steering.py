@@ -13,7 +13,12 @@ configuration (nnsight and transformers, far slower, are measured once).
 Prints tokens/s (wall clock) and each ratio to plain vLLM, and the same from the processes' CPU time
 (less disturbed by other load); asserts nothing.
 
-    python benchmarks/steering.py [--prompts 64] [--tokens 64] [--rounds 3]
+Then a steering experiment's grid: 64 cells (8 vectors x 8 factors) steering the answer only
+(``positions="generated"``) of one 1,000-token prompt, as `sweep` runs them (unsalted: every cell shares the
+prompt's prefill), against the same 64 requests each salted apart (as every steered request was before
+decode-only steering shared its prompt): throughput and the prompt tokens each computed, alternating rounds.
+
+    python benchmarks/steering.py [--prompts 64] [--tokens 64] [--rounds 3] [--grid-only]
 """
 
 from __future__ import annotations
@@ -177,16 +182,87 @@ class Worker:
         self.process.wait()
 
 
+GRID_CELLS, GRID_PROMPT_TOKENS, GRID_NEW_TOKENS = 64, 1000, 16
+
+
+def grid_child(rounds: int) -> None:
+    """Worker: the 64-cell decode-only grid, shared and salted apart, in alternating rounds; one JSON line."""
+    from vllm import SamplingParams
+
+    from nnterp_vllm import SteeredVLLM, Steering
+
+    llm = SteeredVLLM(str(smollm2()), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    try:
+        words = " ".join(prompts(400))
+        prompt_ids = llm.get_tokenizer()(words)["input_ids"][:GRID_PROMPT_TOKENS]
+        specs = [
+            Steering(LAYER, vector(llm.hidden_size, seed), factor, positions="generated")
+            for seed in range(8)
+            for factor in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=GRID_NEW_TOKENS, ignore_eos=True)
+        found: dict[str, list] = {"shared": [], "salted apart": []}
+        llm.generate([{"prompt_token_ids": prompt_ids}], params, [specs[:1]], use_tqdm=False)  # warms up
+        for round_ in range(rounds):
+            for name in found:
+                cells = [
+                    {"prompt_token_ids": prompt_ids, **({"cache_salt": f"{round_}-{i}"} if name != "shared" else {})}
+                    for i in range(len(specs))
+                ]
+                llm.reset_prefix_cache()
+                wall, cpu = time.perf_counter(), time.process_time()
+                outputs = llm.generate(cells, params, [[spec] for spec in specs], use_tqdm=False)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                computed = sum(len(output.prompt_token_ids) - output.num_cached_tokens for output in outputs)
+                found[name].append([wall, cpu, computed])
+        print(json.dumps(found), flush=True)
+    finally:
+        llm.shutdown()
+
+
+def grid_report(rounds: int) -> None:
+    done = subprocess.run(
+        [sys.executable, __file__, "--grid-child", f"--rounds={rounds}"], capture_output=True, text=True
+    )
+    if done.returncode:
+        print(f"the grid worker failed:\n{done.stderr[-3000:]}")
+        return
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    generated = GRID_CELLS * GRID_NEW_TOKENS
+    print(
+        f"{GRID_CELLS}-cell grid steering the answer only, one {GRID_PROMPT_TOKENS}-token prompt, "
+        f"{GRID_NEW_TOKENS} new tokens each, best of {rounds} alternating rounds:"
+    )
+    best = {name: [min(run[i] for run in runs) for i in range(3)] for name, runs in found.items()}
+    for name, (wall, cpu, computed) in best.items():
+        print(
+            f"  {name:14s} {generated / wall:8.1f} new tokens/s  {wall:6.1f} s  CPU {cpu:6.1f} s  "
+            f"prompt tokens computed {computed:6d}"
+        )
+    ratios = [salted[0] / shared[0] for shared, salted in zip(found["shared"], found["salted apart"])]
+    print(
+        f"  throughput, shared / salted apart: {max(ratios):.2f}x best round ({min(ratios):.2f}x..{max(ratios):.2f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grid-only", action="store_true", help="measure only the decode-only grid")
     parser.add_argument("--serve", choices=sorted(ENGINES), help=argparse.SUPPRESS)
+    parser.add_argument("--grid-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     batch = prompts(args.prompts)
     if args.serve:
         serve(args.serve, args.tokens, batch)
+        return
+    if args.grid_child:
+        grid_child(args.rounds)
+        return
+    if args.grid_only:
+        grid_report(args.rounds)
         return
     best: dict[str, list[float]] = {}
     for phase, every_round in PHASES:
@@ -213,6 +289,7 @@ def main() -> None:
         f"  compilation off, steered / plain (both eager): {eager[0] / steered_eager[0]:.3f} wall, "
         f"{eager[1] / steered_eager[1]:.3f} CPU"
     )
+    grid_report(args.rounds)
 
 
 if __name__ == "__main__":

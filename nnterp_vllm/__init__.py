@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import UnavailableValue, UnsupportedFamily
+from .errors import EngineShutDown, UnavailableValue, UnsupportedFamily
 
 # anyio checks that every attribute of each of its typed-attribute sets is annotated, and defines most
 # sets lazily (at the first async stream or task group: an httpx or openai async client, a server);
@@ -23,6 +23,8 @@ else:
 
 __all__ = [
     "AsyncSteeredVLLM",
+    "Capture",
+    "EngineShutDown",
     "StandardizedTransformer",
     "StandardizedVLLM",
     "SteeredVLLM",
@@ -31,6 +33,7 @@ __all__ = [
     "UnsupportedFamily",
     "harvest",
     "load_harvest",
+    "sweep",
 ]
 
 
@@ -47,6 +50,14 @@ def __getattr__(name: str) -> Any:
         from .steering import Steering
 
         return Steering
+    if name == "sweep":
+        from .sweeps import sweep
+
+        return sweep
+    if name == "Capture":
+        from .capture import Capture
+
+        return Capture
     if name in ("SteeredVLLM", "AsyncSteeredVLLM"):
         from .engines import steered
 

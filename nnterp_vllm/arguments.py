@@ -59,13 +59,26 @@ def hidden_vector(vector: Any, hidden_size: int, what: str, rows: bool = True) -
     return _finite(vector, what)
 
 
+def number_list(values: Sequence[Any], what: str) -> None:
+    """Refuse a list meant as a vector that is empty or holds an element that is not a finite real number,
+    naming the first bad element by its index."""
+    if not values:
+        raise ValueError(f"{what}: the vector must be a torch.Tensor or a non-empty list of floats, got []")
+    for index, value in enumerate(values):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(
+                f"{what}: the vector must be a torch.Tensor or a non-empty list of floats; element {index} is "
+                f"{value!r:.40} ({type(value).__name__})"
+            )
+        if not math.isfinite(value):
+            raise ValueError(f"{what}: the vector holds NaN or inf values: element {index} is {value!r}")
+
+
 def one_vector(vector: Any, what: str) -> torch.Tensor:
     """``vector`` (a tensor, or a list of real numbers taken as float32) checked as a finite floating 1-D
     tensor; its width is checked against a model with `hidden_vector`."""
     if isinstance(vector, (list, tuple)):
-        if not vector or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vector):
-            shown = repr(vector)[:80]
-            raise ValueError(f"{what}: the vector must be a torch.Tensor or a non-empty list of floats, got {shown}")
+        number_list(vector, what)
         vector = torch.tensor(vector, dtype=torch.float32)
     elif not isinstance(vector, torch.Tensor):
         kind = type(vector).__name__
@@ -79,13 +92,22 @@ def one_vector(vector: Any, what: str) -> torch.Tensor:
 def _floating(vector: Any, what: str) -> None:
     if not isinstance(vector, torch.Tensor):
         raise ValueError(f"{what}: the vector must be a torch.Tensor, got {type(vector).__name__}")
+    if vector.is_meta:
+        raise ValueError(
+            f"{what}: the vector is on the meta device, which holds no values; give a tensor with values "
+            "(e.g. on the CPU: load or compute it there)"
+        )
     if not vector.is_floating_point():
         raise ValueError(f"{what}: the vector must have a floating dtype, got {vector.dtype}")
 
 
 def _finite(vector: torch.Tensor, what: str) -> torch.Tensor:
-    if not torch.isfinite(vector).all():
-        raise ValueError(f"{what}: the vector holds NaN or inf values")
+    finite = torch.isfinite(vector)
+    if not finite.all():
+        index = int((~finite).flatten().nonzero()[0])
+        raise ValueError(
+            f"{what}: the vector holds NaN or inf values: element {index} is {float(vector.flatten()[index])}"
+        )
     return vector
 
 
@@ -162,15 +184,17 @@ def batch_rows_within(rows: list[int] | None, size: int, what: str) -> list[int]
 PHASES = ("all", "prompt", "generated")
 
 
-def phase_or_positions(chosen: Any, what: str) -> str | list[int]:
-    """``chosen`` as a steering spec's positions: a phase in `PHASES` or a non-empty list of prompt positions."""
-    if isinstance(chosen, str) and chosen in PHASES:
+def phase_or_positions(chosen: Any, what: str, phases: Sequence[str] = PHASES) -> str | list[int]:
+    """``chosen`` as a spec's positions: one of ``phases`` (a steering spec's `PHASES` unless told) or a non-empty
+    list of prompt positions."""
+    if isinstance(chosen, str) and chosen in phases:
         return chosen
     listed = listed_ints(chosen)
     if listed is not None:
         return listed
+    named = ", ".join(repr(phase) for phase in phases)
     raise ValueError(
-        f"{what}: positions must be 'all', 'prompt', 'generated' or a non-empty list of prompt positions "
+        f"{what}: positions must be one of {named} or a non-empty list of prompt positions "
         f"(ints, negative counting from the prompt's end), got {chosen!r}"
     )
 

@@ -25,6 +25,14 @@ def _harvest(args: argparse.Namespace) -> int:
 
         model = str(smollm2())
     model_kwargs = {"dtype": torch_dtype(args.model_dtype, "--model-dtype")} if args.model_dtype else {}
+    if args.tensor_parallel_size is not None:
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+        # vLLM splits each replica itself; transformers splits over the processes torchrun started.
+        if args.engine == "vllm":
+            model_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+        elif args.tensor_parallel_size > 1:
+            model_kwargs["tp_size"] = args.tensor_parallel_size
     result = harvest(
         model,
         args.corpus,
@@ -48,6 +56,19 @@ def _harvest(args: argparse.Namespace) -> int:
     )
     print(f"activations: {result.path} ({len(result)} tokens, {len(result.shards)} shards, values {result.values})")
     print(f"load them with: from nnterp_vllm import load_harvest; harvest = load_harvest({str(result.path)!r})")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .sweeps import read_grid, run_grid
+
+    model = args.model
+    if model == "smollm2":
+        from .checkpoints import smollm2
+
+        model = str(smollm2())
+    table = run_grid(model, read_grid(args.grid), progress=not args.quiet)
+    print(f"{len(table)} rows written to {table.to_jsonl(args.out)}")
     return 0
 
 
@@ -89,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
     )
     harvest.add_argument("--workers", type=int, default=1, help="Ray actors, one model replica each")
     harvest.add_argument("--ray-address", help="an existing Ray cluster (a local one is started otherwise)")
+    harvest.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="ranks each model is split over: vLLM's tensor_parallel_size (per replica with --workers); "
+        "on transformers, under `torchrun --nproc-per-node T`",
+    )
     harvest.add_argument("--positions", choices=["all", "last"], default="all")
     harvest.add_argument("--context-length", type=int, help="tokens per row (default: whole documents)")
     harvest.add_argument(
@@ -105,6 +132,14 @@ def parser() -> argparse.ArgumentParser:
     harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")
     harvest.add_argument("--quiet", action="store_true", help="no progress bar")
     harvest.set_defaults(run=_harvest)
+    sweep = commands.add_parser(
+        "sweep", help="run a steering grid (vectors x layers x factors x prompts) as one batch; rows to JSON lines"
+    )
+    sweep.add_argument("model", help="a checkpoint directory or hub id, or 'smollm2' for the embedded default model")
+    sweep.add_argument("--grid", required=True, help="a YAML or JSON file: prompts, vectors, layers, factors, ...")
+    sweep.add_argument("--out", required=True, help="the JSON-lines file of rows to write")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.set_defaults(run=_sweep)
     serve = commands.add_parser(
         "serve",
         help="vLLM's OpenAI-compatible server with per-request steering (nnterp-vllm serve MODEL --help)",

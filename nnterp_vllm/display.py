@@ -1,4 +1,4 @@
-"""nnterp's displays: the logit-lens heatmap of top tokens per layer, and prompts as a table.
+"""Displays: nnterp's logit-lens heatmap of top tokens per layer and prompts as a table; a sweep's scores.
 
 Plots are drawn with matplotlib (the ``display`` extra: ``pip install 'nnterp_vllm[display]'``).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ def _figure_class() -> Any:
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
-            "plot_topk_tokens draws with matplotlib: pip install 'nnterp_vllm[display]' (or matplotlib)"
+            "the plots draw with matplotlib: pip install 'nnterp_vllm[display]' (or matplotlib)"
         ) from error
     return Figure
 
@@ -123,3 +124,33 @@ def prompts_to_df(prompts: list[Prompt], tokenizer: Any = None) -> Any:
             for target, tokens in prompt.target_tokens.items():
                 table[index][f"{target}_tokens"] = tokenizer.convert_ids_to_tokens(tokens)
     return pandas.DataFrame.from_dict(table)
+
+
+def plot_sweep_scores(
+    table: Sequence[dict], score: str, file: str | Path | None = None, vector: str | None = None
+) -> Any:
+    """A plot of ``score`` (a score column's name, ``"score: <name>"`` or ``<name>``) against factor, a line per
+    layer set, averaged over prompts; the baseline as a dashed line. Returns the matplotlib ``Figure``."""
+    column = score if score.startswith("score: ") else f"score: {score}"
+    rows = [row for row in table if column in row]
+    if not rows:
+        raise ValueError(f"plot_sweep_scores: no row has the column {column!r}; sweep with score= to add it")
+    steered = [row for row in rows if row["vector"] is not None and vector in (None, row["vector"])]
+    figure = _figure_class()(figsize=(6, 4))
+    axes = figure.add_subplot()
+    lines: dict[tuple, dict[float, list[float]]] = {}
+    for row in steered:
+        lines.setdefault((row["vector"], tuple(row["layers"])), {}).setdefault(row["factor"], []).append(row[column])
+    for (name, layers), points in sorted(lines.items()):
+        factors = sorted(points)
+        means = [sum(points[f]) / len(points[f]) for f in factors]
+        axes.plot(factors, means, marker="o", label=f"{name} @ layers {', '.join(map(str, layers))}")
+    baseline = [row[column] for row in rows if row["vector"] is None]
+    if baseline:
+        axes.axhline(sum(baseline) / len(baseline), linestyle="--", color="grey", label="unsteered")
+    axes.set_xlabel("factor")
+    axes.set_ylabel(f"{column} (mean over prompts)")
+    axes.legend(fontsize="small")
+    if file is not None:
+        figure.savefig(file, bbox_inches="tight")
+    return figure

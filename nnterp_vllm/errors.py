@@ -14,3 +14,7 @@ class UnavailableValue(RuntimeError):
     names the value, the family and the reason. ``model.support()`` lists the same
     reasons without raising.
     """
+
+
+class EngineShutDown(RuntimeError):
+    """A call on a vLLM engine after its ``shutdown()``: the message names the engine and what to do instead."""

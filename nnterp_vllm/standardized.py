@@ -85,6 +85,28 @@ class Indexed:
     def __len__(self) -> int:
         return self.model.num_layers
 
+    def print_source(self, layer: int = 0) -> None:
+        """Print where this value is read on block ``layer``, as nnterp's ``print_source`` did: the forward it is
+        read in, its operations named as nnsight names them (the one it is read at among them), then the whole
+        module's forward; or, where the model does not serve it, the reason."""
+        host = self._host(layer)
+        value = type(host).values()[self.name]
+        reason = value.reason(host)
+        if reason:
+            print(f"{host.path}.{self.name} is not served: {reason}")
+            return
+        *walk, attribute = value.path(host).split(".")
+        print(f"Accessing {self.name} from {host.path}{''.join(f'.{part}' for part in walk)} ({attribute}):")
+        # The forward the value is read in: the last `source` on the way there, else the module's own.
+        inside = walk[: len(walk) - walk[::-1].index("source")] if "source" in walk else [*walk, "source"]
+        with self.model.trace(" "):  # nnsight shows an operation's own forward inside a trace only
+            node = host
+            for part in inside:
+                node = getattr(node, part)
+            print(node)
+        print(f"\n\nFull module source ({host.path}):")
+        print(host.source)
+
 
 class Migration:
     """An nnterp spelling, ``model.layers_output[i]``, for one value of every block (or of its ``child``)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,45 @@ class Steering:
         object.__setattr__(self, "factor", arguments.finite_number(self.factor, WHAT))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, WHAT))
 
+    @classmethod
+    def load(
+        cls,
+        source: Any,
+        factor: float = 1.0,
+        positions: str | Sequence[int] = "all",
+        feature: int | None = None,
+        layers: int | Sequence[int] | None = None,
+    ) -> list[Steering]:
+        """One spec per layer a vector made elsewhere carries, adding it times ``factor`` at ``positions``, where
+        and as its own library applies it (`vectors.read_vectors`): a repeng ``ControlVector`` or its ``.gguf``
+        file, a steering-vectors ``SteeringVector`` or its saved dict, a SAELens SAE directory (``feature``: the
+        feature whose decoder row is the vector). ``layers`` keeps only those of the source's layers (numbered as
+        the source numbers them). Raises ValueError naming the file and the field of a malformed source."""
+        from .vectors import describe, read_vectors
+
+        vectors = read_vectors(source, feature)
+        if layers is not None:
+            chosen = [layers] if isinstance(layers, int) else list(layers)
+            missing = sorted(set(chosen) - set(vectors))
+            if missing:
+                raise ValueError(
+                    f"Steering.load: {describe(source)} carries layers {sorted(vectors)}, not {missing}; "
+                    "choose among them"
+                )
+            vectors = {layer: vectors[layer] for layer in chosen}
+        return [cls(layer, vector, factor=factor, positions=positions) for layer, vector in sorted(vectors.items())]
+
+    @classmethod
+    def contrast(
+        cls, model: Any, positive: Sequence[str], negative: Sequence[str], layers: int | Sequence[int], **kwargs: Any
+    ) -> list[Steering]:
+        """Contrast vectors of two sets of texts from our own harvest, one spec per layer: the mean difference
+        (``method="mean"``) or the first principal component of the paired differences (``method="pca"``)
+        (`vectors.contrast_steering`)."""
+        from .vectors import contrast_steering
+
+        return contrast_steering(model, positive, negative, layers, **kwargs)
+
     def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on a model of ``num_layers``
         blocks of width ``hidden_size``: sorted layer indices, the vector as float32 numbers, the factor, the
@@ -75,16 +115,26 @@ class Steering:
         }
 
 
-def specs_of(steering: Any) -> list[Steering]:
-    """One request's steering (``None``, a `Steering`, or a list of them) as a list of specs."""
+def specs_of(steering: Any, where: str = "steering") -> list[Steering]:
+    """One request's steering (``None``, a `Steering`, or a list of them) as a list of specs.
+
+    A wrong type raises ``TypeError`` naming ``where`` (and the bad element's index in a list).
+    """
     if steering is None:
         return []
     if isinstance(steering, Steering):
         return [steering]
-    if isinstance(steering, (list, tuple)) and all(isinstance(spec, Steering) for spec in steering):
+    if isinstance(steering, (list, tuple)):
+        for index, spec in enumerate(steering):
+            if not isinstance(spec, Steering):
+                raise TypeError(
+                    f"{WHAT}: {where}[{index}] is a {type(spec).__name__}; a request's steering is None, a Steering "
+                    "or a list of Steering"
+                )
         return list(steering)
     raise TypeError(
-        f"{WHAT}: a request's steering is None, a Steering or a list of Steering, got {type(steering).__name__}"
+        f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering or a list of "
+        "Steering"
     )
 
 
@@ -92,26 +142,42 @@ def per_prompt(steering: Any, count: int) -> list[list[Steering]]:
     """``steering`` as given to ``generate`` for ``count`` prompts: one list of specs per prompt.
 
     A list as long as the prompts holds one entry per prompt (``None``, a `Steering` or a list of them);
-    anything else (``None``, one `Steering`, another list of them) is for every prompt.
+    anything else (``None``, one `Steering`, a list of `Steering` of another length) is for every prompt.
+    A list of another length holding anything but `Steering` fits neither reading: ``TypeError`` naming both.
     """
     if isinstance(steering, (list, tuple)) and len(steering) == count:
-        return [specs_of(entry) for entry in steering]
+        return [specs_of(entry, f"steering[{index}]") for index, entry in enumerate(steering)]
+    if isinstance(steering, (list, tuple)) and not all(isinstance(spec, Steering) for spec in steering):
+        raise TypeError(
+            f"{WHAT}: steering is a list of {len(steering)} entries for {count} prompt(s), not all of them Steering. "
+            f"Give one entry per prompt (a list of {count}, each None, a Steering or a list of Steering), or one "
+            "Steering or a list of Steering (of any length) that steers every prompt with all of its specs"
+        )
     return [specs_of(steering)] * count
 
 
 def request_steering(
-    specs: Sequence[Steering], num_layers: int, hidden_size: int, prompt_length: int, rows_per_request: int
-) -> tuple[dict[str, Any], str] | None:
+    specs: Sequence[Steering],
+    num_layers: int,
+    hidden_size: int,
+    prompt_length: int,
+    rows_per_request: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[dict[str, Any], str | None] | None:
     """A request's steering in engine form and the cache salt keying its prefix-cache blocks; ``None`` unsteered.
 
     The engine form is ``{"prompt_tokens": n, "specs": [...], "digests": [...]}``, a digest per spec
     (its layers, vector and factor: specs with the same digest add the same thing). The salt digests
     all of it, the prompt's length included where a phase depends on it, so two requests share cached
-    blocks only when every token of the shared prefix was steered alike.
+    blocks only when every token of the shared prefix was steered alike. Steering of generated tokens
+    only (`decode_only`) leaves the prompt's KV as an unsteered request computes it: no salt, so its
+    prompt blocks are shared (and the engine caches none of its generated ones). Steering a model computing
+    in ``dtype`` could not hold (`check_held`) is refused.
     """
     if not specs:
         return None
     resolved = [spec.resolved(num_layers, hidden_size, prompt_length) for spec in specs]
+    check_held(resolved, dtype)
     digests = [_digest(entry["layers"], entry["factor"], entry["vector"]) for entry in resolved]
     steering = {"prompt_tokens": prompt_length, "specs": resolved, "digests": digests}
     needed = token_sets(steering).count()
@@ -122,9 +188,50 @@ def request_steering(
             "per request (SteeredVLLM(..., steering_rows_per_request=N) holds more)"
         )
     phases = [entry["positions"] for entry in resolved]
+    if decode_only(steering):
+        return steering, None
     length = prompt_length if any(phase in ("prompt", "generated") for phase in phases) else None
     salt = hashlib.sha256(json.dumps([digests, phases, length]).encode()).hexdigest()
     return steering, f"nnterp_vllm-steering-{salt}"
+
+
+def decode_only(steering: dict[str, Any]) -> bool:
+    """Whether a request's steering (engine form) acts on generated tokens only, none of its prompt."""
+    return all(spec["positions"] == "generated" for spec in steering["specs"])
+
+
+#: The vector added at a layer may reach at most the model dtype's largest finite value over this.
+HEADROOM = 16
+
+
+def held_bound(dtype: torch.dtype) -> float:
+    """The largest magnitude an element of the vector added at one layer may have in a model computing in
+    ``dtype``: its largest finite value over `HEADROOM`, so the stream it is added to keeps room to grow."""
+    return torch.finfo(dtype).max / HEADROOM
+
+
+def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
+    """Refuse specs in engine form (`Steering.resolved`) whose added vector at some layer (``factor * vector``
+    summed over the specs at that layer) has an element above `held_bound` of ``dtype``; ``ValueError``."""
+    bound = held_bound(dtype)
+    added: dict[int, torch.Tensor] = {}
+    adders: dict[int, list[int]] = {}
+    for i, entry in enumerate(resolved):
+        scaled = torch.tensor(entry["vector"], dtype=torch.float64) * entry["factor"]
+        for layer in entry["layers"]:
+            added[layer] = added[layer] + scaled if layer in added else scaled
+            adders.setdefault(layer, []).append(i)
+    for layer in sorted(added):
+        magnitude = added[layer].abs().nan_to_num(nan=math.inf)
+        element = int(magnitude.argmax())
+        if magnitude[element] > bound:
+            held = str(dtype).removeprefix("torch.")
+            raise ValueError(
+                f"{WHAT}: at layer {layer} the added vector (factor x vector, summed over spec(s) {adders[layer]}) "
+                f"reaches {float(added[layer][element]):.3g} at element {element}; a model computing in {held} holds "
+                f"it with room to spare only within +-{bound:.3g} ({held}'s largest finite value "
+                f"{torch.finfo(dtype).max:.3g} / {HEADROOM}): lower the factor or the vector"
+            )
 
 
 def _digest(layers: list[int], factor: float, vector: list[float]) -> str:
@@ -162,4 +269,14 @@ def token_sets(steering: dict[str, Any]) -> TokenSets:
     return TokenSets(steering["prompt_tokens"], prompt, generated, listed)
 
 
-__all__ = ["EXTRA_ARGS_KEY", "Steering", "TokenSets", "per_prompt", "request_steering", "specs_of", "token_sets"]
+__all__ = [
+    "EXTRA_ARGS_KEY",
+    "HEADROOM",
+    "Steering",
+    "TokenSets",
+    "decode_only",
+    "per_prompt",
+    "request_steering",
+    "specs_of",
+    "token_sets",
+]

@@ -265,13 +265,23 @@ def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(l
 HARVEST_SCRIPT = """
 import resource, sys
 from nnterp_vllm.harvest import harvest
-harvest(sys.argv[1], sys.argv[2], ["layers.*.layer_output"], sys.argv[3], shard_bytes=int(sys.argv[4]), progress=False)
+checkpoint, corpus, out, shard_bytes, engine = (sys.argv[1:] + ["transformers"])[:5]
+kwargs = {"dtype": "float32"} if engine == "vllm" else {}
+harvest(checkpoint, corpus, ["layers.*.layer_output"], out, shard_bytes=int(shard_bytes), engine=engine,
+        model_kwargs=kwargs, progress=False)
 print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", HARVEST_SCRIPT, *map(str, args)], capture_output=True, text=True)
+
+
+def recorded_shards(out: Path) -> int:
+    try:
+        return len(json.loads((out / "manifest.json").read_text())["shards"])
+    except (OSError, ValueError):
+        return 0
 
 
 def test_sigkill_at_any_moment_then_rerun_gives_identical_output(llama_path, tmp_path):
@@ -290,6 +300,29 @@ def test_sigkill_at_any_moment_then_rerun_gives_identical_output(llama_path, tmp
             os.kill(process.pid, signal.SIGKILL)
         process.wait()
     finished = run_script(llama_path, corpus, out, 30_000)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert shard_digests(out) == shard_digests(complete)
+    assert sorted(path.name for path in out.iterdir()) == sorted(path.name for path in complete.iterdir())
+
+
+def test_sigkill_of_a_vllm_harvest_then_rerun_gives_identical_output(llama_path, tmp_path):
+    """The in-engine path resumes as the others do: killed once shards are recorded, then rerun, byte-identical."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(120, seed=5))
+    complete = tmp_path / "complete"
+    done = run_script(llama_path, corpus, complete, 200_000, "vllm")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((complete / "manifest.json").read_text())["vllm_path"] == "engine"
+    out = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-c", HARVEST_SCRIPT, *map(str, (llama_path, corpus, out, 200_000, "vllm"))]
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None and recorded_shards(out) < 2:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert 2 <= recorded_shards(out) < len(shard_digests(complete))
+    finished = run_script(llama_path, corpus, out, 200_000, "vllm")
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert shard_digests(out) == shard_digests(complete)
     assert sorted(path.name for path in out.iterdir()) == sorted(path.name for path in complete.iterdir())
@@ -318,7 +351,8 @@ def test_cli_harvest(llama_path, tmp_path):
     assert bad.returncode == 2 and "unknown value 'layers.1.nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
+def test_a_vllm_harvest_through_nnsight_equals_transformers(llama_path, tmp_path):
+    """A StandardizedVLLM passed in reads through nnsight (the path for values the engine does not keep)."""
     from nnterp_vllm import StandardizedVLLM
 
     docs = documents(7)
@@ -335,36 +369,77 @@ def test_vllm_harvest_equals_transformers(llama_path, tmp_path):
     finally:
         model.shutdown()
     assert on_vllm.manifest["engine"] == "vllm" and len(on_vllm.shards) > 1
+    assert on_vllm.manifest["vllm_path"] == "nnsight"
     assert torch.equal(on_vllm.load("token_ids"), on_hf.load("token_ids"))
     for name in on_hf.values:
         torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
 
 
-def test_a_vllm_harvest_of_a_checkpoint_runs_only_the_blocks_it_reads(llama_path, tmp_path, monkeypatch):
+def test_a_vllm_harvest_of_a_checkpoint_keeps_its_values_in_the_engine(llama_path, tmp_path):
+    """Stream values are kept by the engine itself (the in-engine path): the values of the transformers harvest,
+    the same tokens, documents and offsets, and a lost shard recomputed to the same bytes."""
+    docs = documents(9)
+    values = ["layers.*.layer_output", "layers.1.mlp_output", "layers.0.attention_input", "token_embeddings"]
+    options = {"shard_bytes": 150_000, "progress": False}
+    on_hf = harvest(llama_path, docs, values, tmp_path / "hf", **options)
+    vllm = {"engine": "vllm", "model_kwargs": {"dtype": "float32"}, **options}
+    on_vllm = harvest(llama_path, docs, values, tmp_path / "vllm", **vllm)
+    assert on_vllm.manifest["vllm_path"] == "engine" and len(on_vllm.shards) > 1
+    for name in ("token_ids", "documents", "offsets", "rows"):
+        assert torch.equal(on_vllm.load(name), on_hf.load(name)), name
+    assert on_vllm.values == on_hf.values
+    for name in on_hf.values:
+        torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
+    files = {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()}
+    (tmp_path / "vllm" / "shard-00001.safetensors").unlink()
+    harvest(llama_path, docs, values, tmp_path / "vllm", **vllm)
+    assert {path.name: path.read_bytes() for path in (tmp_path / "vllm").iterdir()} == files
+
+
+def engine_blocks(model) -> int:
+    """How many blocks the vLLM model under ``model`` (either path's) iterates: its block range's end."""
+    runner = model.llm if hasattr(model, "llm") else model.vllm_entrypoint
+    return runner.llm_engine.model_executor.driver_worker.worker.model_runner.model.model.end_layer
+
+
+@pytest.mark.parametrize(
+    "values, path",
+    [
+        (["layers.1.layer_output", "layers.0.mlp_output"], "engine"),
+        (["layers.1.layer_output", "layers.0.self_attn.attention_keys"], "nnsight"),
+    ],
+)
+def test_a_vllm_harvest_of_a_checkpoint_runs_only_the_blocks_it_reads(llama_path, tmp_path, monkeypatch, values, path):
     from nnterp_vllm.harvest import run as run_module
 
-    ran: list[int] = []  # the blocks vLLM's own model ran, recorded on the engine's worker (in this process)
+    ran: list[int] = []  # the blocks vLLM's own model ran (nnsight's eager engine: recorded on its worker)
+    blocks: list[int] = []  # the block range the engine was built to iterate
     load = run_module.load_model
 
     def recorded(*args, **kwargs):
         model = load(*args, **kwargs)
         if model.ENGINE == "vllm":
-            worker = model.vllm_entrypoint.llm_engine.model_executor.driver_worker.worker
-            for index, block in enumerate(worker.model_runner.model.model.layers):
-                block.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
+            blocks.append(engine_blocks(model))
+            if path == "nnsight":
+                worker = model.vllm_entrypoint.llm_engine.model_executor.driver_worker.worker
+                for index, block in enumerate(worker.model_runner.model.model.layers):
+                    block.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
         return model
 
     monkeypatch.setattr(run_module, "load_model", recorded)
     docs = documents(7)
-    values = ["layers.1.layer_output", "layers.0.mlp_output"]
     on_hf = harvest(llama_path, docs, values, tmp_path / "hf", progress=False)
     on_vllm = harvest(
         llama_path, docs, values, tmp_path / "vllm", engine="vllm", model_kwargs={"dtype": "float32"}, progress=False
     )
-    assert sorted(set(ran)) == [0, 1] and on_vllm.manifest["blocks_run"] == on_hf.manifest["blocks_run"] == 2
+    assert on_vllm.manifest["vllm_path"] == path and blocks == [2]
+    assert on_vllm.manifest["blocks_run"] == on_hf.manifest["blocks_run"] == 2
+    assert sorted(set(ran)) == ([0, 1] if path == "nnsight" else [])
     for name in values:
         torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
-    ran.clear()  # a value after the blocks needs them all
+    if path == "nnsight":
+        return
+    blocks.clear()  # a value after the blocks needs them all
     whole = harvest(
         llama_path,
         docs[:2],
@@ -374,8 +449,8 @@ def test_a_vllm_harvest_of_a_checkpoint_runs_only_the_blocks_it_reads(llama_path
         model_kwargs={"dtype": "float32"},
         progress=False,
     )
-    blocks = json.loads((llama_path / "config.json").read_text())["num_hidden_layers"]
-    assert sorted(set(ran)) == list(range(blocks)) and whole.manifest["blocks_run"] == blocks > 2
+    count = json.loads((llama_path / "config.json").read_text())["num_hidden_layers"]
+    assert blocks == [count] and whole.manifest["blocks_run"] == count > 2
 
 
 def test_a_vllm_model_built_to_run_fewer_blocks_harvests_only_what_they_reach(llama_path, tmp_path):
@@ -507,6 +582,57 @@ def test_sae_lens_layout_is_the_dataset_saelens_reads(llama, harvests, tmp_path)
         progress=False,
     )
     assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
+class TestAHarvestOnASteeredVLLM:
+    """A `SteeredVLLM` passed in, built to keep the values, harvests on the in-engine path: either layout, any
+    positions, the values of the transformers harvest."""
+
+    VALUES = ["layers.1.layer_output", "layers.2.mlp_output"]
+
+    @pytest.fixture(scope="class")
+    def engine(self, llama_path):
+        from nnterp_vllm import SteeredVLLM
+
+        model = SteeredVLLM(llama_path, dtype="float32", capture_values=self.VALUES, enable_prefix_caching=False)
+        yield model
+        model.shutdown()
+
+    def test_the_sae_lens_layout_holds_the_transformers_harvest(self, engine, harvests, tmp_path):
+        import datasets
+
+        _, sae_lens = harvests
+        options = {"context_length": 32, "shard_bytes": 40_000, "progress": False}
+        kept = harvest(engine, documents(16, seed=7), self.VALUES, tmp_path / "kept", format="sae-lens", **options)
+        assert kept.manifest["vllm_path"] == "engine" and kept.manifest["values"] == sae_lens.manifest["values"]
+        assert len(kept.shards) == len(sae_lens.shards) > 1
+        ours, theirs = (datasets.load_from_disk(str(h.path)).with_format("torch")[:] for h in (kept, sae_lens))
+        assert torch.equal(ours["token_ids"], theirs["token_ids"])
+        for column in ("model.layers.1", "model.layers.2.mlp"):
+            torch.testing.assert_close(ours[column], theirs[column], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kept.load("layers.1.layer_output"), sae_lens.load("layers.1.layer_output"))
+
+    def test_last_positions_and_masks_hold_the_transformers_harvest(self, engine, llama, tmp_path):
+        docs = documents(8)
+        for positions in ("last", lambda ids: [i % 3 == 1 for i in range(len(ids))]):
+            kept, read = (
+                harvest(
+                    model, docs, self.VALUES, tmp_path / f"{name}-{id(positions)}", positions=positions, progress=False
+                )
+                for name, model in (("engine", engine), ("transformers", llama))
+            )
+            assert kept.manifest["vllm_path"] == "engine" and len(kept) == len(read) > 0
+            for name in ("token_ids", "documents", "offsets"):
+                assert torch.equal(kept.load(name), read.load(name)), name
+            for name in self.VALUES:
+                torch.testing.assert_close(kept.load(name), read.load(name), atol=1e-4, rtol=1e-4)
+
+    def test_a_value_the_engine_does_not_keep_is_refused_before_any_work(self, engine, tmp_path):
+        with pytest.raises(ValueError, match="layers.0.layer_output is not available.*built to keep layers.1"):
+            harvest(engine, documents(3), ["layers.0.layer_output"], tmp_path / "out", progress=False)
+        with pytest.raises(ValueError, match="attention_queries is not available.*read it through nnsight"):
+            harvest(engine, documents(3), ["layers.1.self_attn.attention_queries"], tmp_path / "out", progress=False)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import datasets
 import pytest
@@ -283,6 +290,42 @@ def test_unsupported_paths(tmp_path):
     empty.mkdir()
     with pytest.raises(CorpusError, match=r"empty: a directory with no \*\.txt files and no saved dataset"):
         read_documents(empty)
+
+
+def special_file(kind: str, directory) -> tuple[Path, Any]:
+    """A path of ``kind`` (a named pipe, a socket, a character device) and what keeps it alive."""
+    if kind == "character device":
+        return Path("/dev/null"), None
+    path = directory / "corpus.txt"
+    if kind == "named pipe (FIFO)":
+        os.mkfifo(path)
+        return path, None
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    return path, listener
+
+
+@pytest.mark.parametrize("kind", ["named pipe (FIFO)", "socket", "character device"])
+def test_a_path_that_is_no_regular_file_or_directory_is_refused_before_it_is_opened(tmp_path, kind):
+    path, keep = special_file(kind, tmp_path)
+    try:
+        with pytest.raises(CorpusError, match=rf"^{path}: a {re.escape(kind)}, not a regular file or a directory"):
+            read_documents(path)  # a FIFO would block here, waiting for a writer
+    finally:
+        if keep is not None:
+            keep.close()
+
+
+def test_the_harvest_command_refuses_a_fifo_corpus_at_once_and_writes_nothing(tmp_path):
+    fifo, _ = special_file("named pipe (FIFO)", tmp_path)
+    out = tmp_path / "acts"
+    command = [str(Path(sys.executable).with_name("nnterp-vllm")), "harvest", str(tiny.checkpoint("llama"))]
+    command += ["--corpus", str(fifo), "--values", "layers.1.layer_output", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("nnterp-vllm: error:")]
+    assert "a named pipe (FIFO), not a regular file or a directory" in line and "give a .txt or .jsonl" in line
+    assert not out.exists()
 
 
 def test_invalid_utf8_names_the_line(tmp_path):

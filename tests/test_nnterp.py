@@ -16,6 +16,7 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, UnavailableValue, nnterp_options
+from nnterp_vllm.components import vllm as on_vllm_components
 from nnterp_vllm.display import plot_topk_tokens, prompts_to_df
 from nnterp_vllm.interventions import (
     TargetPrompt,
@@ -235,6 +236,20 @@ def test_module_spellings_and_attention_probability_availability(engines):
         model.attentions[0] = None
     assert model.attn_probs_available and not engines.vllm.attn_probs_available
     assert len(model.attentions_input) == model.num_layers
+
+
+def test_print_source_shows_where_the_pattern_is_read_or_why_it_is_not(engines, capsys):
+    engines.hf.attention_probabilities.print_source()
+    shown = capsys.readouterr().out
+    assert "Accessing attention_probabilities from model.model.layers.0.self_attn.source.attention_interface" in shown
+    assert "def eager_attention_forward(" in shown and "nn_functional_softmax_0" in shown  # the operations, named
+    assert "Full module source (model.model.layers.0.self_attn)" in shown and "def forward(" in shown
+    engines.hf.layers_output.print_source(1)
+    assert "Accessing layer_output from model.model.layers.1 (output)" in capsys.readouterr().out
+    engines.vllm.attention_probabilities.print_source(2)
+    assert capsys.readouterr().out.strip() == (
+        f"model.model.layers.2.self_attn.attention_probabilities is not served: {on_vllm_components.FUSED}"
+    )
 
 
 # -- nnterp's constructor options ------------------------------------------------

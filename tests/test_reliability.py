@@ -16,7 +16,7 @@ import reference
 import tiny
 import torch
 
-from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, UnavailableValue
+from nnterp_vllm import EngineShutDown, StandardizedTransformer, StandardizedVLLM, UnavailableValue
 from nnterp_vllm.engines import vllm_platform
 
 PROMPT = reference.PROMPT
@@ -266,3 +266,66 @@ def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeyp
     beyond = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**19)
     assert beyond["max_model_len"] == 2**19 and beyond["kv_cache_memory_bytes"] == budget  # vLLM says it is short
     assert vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7) == {"kv_cache_memory_bytes": 7}
+
+
+# -- what would kill the engine -------------------------------------------------------------------------
+
+
+def test_a_trace_inside_a_trace_is_refused_and_the_model_serves_on(model):
+    with pytest.raises(ValueError) as caught:
+        with model.trace(PROMPT):
+            model.layers[0].layer_output.save()
+            with model.trace(reference.OTHER_PROMPT):
+                model.layers[0].layer_output.save()
+    assert "a trace cannot be opened inside a running trace" in str(caught.value)
+    assert "tracer.invoke(prompt)" in str(caught.value)
+    serves_the_next_trace(model)
+
+
+def test_stop_on_a_value_says_how_a_pass_ends_early_and_the_tracers_stop_does(model):
+    with pytest.raises(AttributeError) as caught:
+        with model.trace(PROMPT):
+            model.layers[1].output.stop()
+    assert "a value has no .stop()" in str(caught.value) and "tracer.stop()" in str(caught.value)
+    serves_the_next_trace(model)
+    with model.trace(PROMPT) as tracer:
+        stream = model.layers[1].layer_output.save()
+        tracer.stop()
+    assert stream.shape == (1, TOKENS, HIDDEN)
+    serves_the_next_trace(model)
+
+
+def test_a_vector_on_the_meta_device_is_refused_naming_the_device(model):
+    meta = torch.zeros(HIDDEN, device="meta")
+    refused_in_a_trace(model, lambda: model.steer(layers=1, vector=meta), ValueError, "meta device", "on the CPU")
+
+
+def test_a_stream_written_non_finite_changes_no_later_trace(model):
+    """What one trace writes stays in its own output: on vLLM the NaN a non-finite stream leaves in its KV-cache
+    blocks used to reach the next traces given those blocks."""
+    with model.trace(PROMPT):
+        before = model.logits.save()
+    longer = PROMPT + " and then a good many more words"
+    length = len(tiny.tokenizer()(longer)["input_ids"])
+    with model.trace(longer):
+        model.layers[1].layer_output = torch.full((1, length, HIDDEN), float("inf"))
+        poisoned = model.logits.save()
+    assert not torch.isfinite(poisoned).all()
+    for _ in range(3):
+        with model.trace(PROMPT):
+            after = model.logits.save()
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_after_shutdown_every_trace_says_the_engine_was_shut_down(model):
+    """Runs last in the module: it shuts the vLLM engine down (the fixture's shutdown is idempotent)."""
+    if model.ENGINE != "vllm":
+        pytest.skip("transformers has no engine to shut down")
+    model.shutdown()
+    model.shutdown()
+    for use in (lambda: model.trace(PROMPT), lambda: model.generate(PROMPT, max_new_tokens=2)):
+        with pytest.raises(EngineShutDown, match=r"StandardizedVLLM: this engine was stopped by shutdown\(\)"):
+            use()
+    with pytest.raises(EngineShutDown, match="build a new StandardizedVLLM"):
+        model.get_topk_closest_tokens(torch.ones(HIDDEN), k=2)
+    assert model.num_layers == 3 and model.support()["layer_output"] is None  # what needs no engine still answers

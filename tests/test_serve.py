@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 
-from nnterp_vllm import SteeredVLLM, Steering
+from nnterp_vllm import Capture, SteeredVLLM, Steering
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -43,6 +45,31 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 PROMPT = "The quick brown fox"
 CONCURRENT = 64
 STARTUP_SECONDS = 300
+#: The server runs with --api-key: every route but /health and /ping needs it.
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+#: Vectors the served registry holds at most (--max-steering-vectors), small enough to fill.
+CAPACITY = 5
+#: What the server keeps for requests' capture field (--capture-values), and the most bytes one may ask for.
+KEPT = ["layers.*.layer_output", "layers.0.mlp_output"]
+MAX_CAPTURE_BYTES = 100_000
+CAPTURED = Capture(["layers.1.layer_output", "layers.0.mlp_output"])
+
+
+def control_vector_file(path: Path, directions: dict[int, torch.Tensor]) -> Path:
+    """A control vector as repeng's ``export_gguf`` writes it (architecture ``controlvector``)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "controlvector")
+    writer.add_string("controlvector.model_hint", "llama")
+    writer.add_uint32("controlvector.layer_count", len(directions))
+    for layer, direction in directions.items():
+        writer.add_tensor(f"direction.{layer}", direction.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def vectors(hidden_size: int) -> dict[str, torch.Tensor]:
@@ -172,9 +199,12 @@ def served(tmp_path_factory):
     """What every case must answer (SteeredVLLM, shut down), then the server, with a preloaded vector file."""
     path = tiny.checkpoint("llama")
     tokenizer = tiny.tokenizer()
-    llm = SteeredVLLM(path, **ENGINE)
+    directory = tmp_path_factory.mktemp("serve")
+    llm = SteeredVLLM(path, capture_values=KEPT, **ENGINE)
     hidden_size = llm.hidden_size
     found = vectors(hidden_size)
+    per_layer = {layer: found["inline"] * (layer + 1) / 3 for layer in (0, 2)}
+    control = control_vector_file(directory / "control.gguf", per_layer)
     steered = [Steering(1, found["inline"], factor=2.0), Steering(2, found["inline"], factor=-1.0, positions="prompt")]
     chat_ids = tokenizer(
         tokenizer.apply_chat_template(
@@ -188,21 +218,33 @@ def served(tmp_path_factory):
         "chat": ({"prompt_token_ids": chat_ids}, []),
         "chat steered": ({"prompt_token_ids": chat_ids}, steered),
         "posted": (PROMPT, [Steering(0, found["posted"], factor=1.5)]),
+        "control": (PROMPT, Steering.load(control, factor=2.0)),
+        "per layer": (
+            PROMPT,
+            [Steering(layer, vector, factor=-1.0, positions="generated") for layer, vector in per_layer.items()],
+        ),
     }
     concurrent = concurrent_cases(found)
     try:
         prompts = [prompt for prompt, _ in single.values()] + [prompt for prompt, _, _ in concurrent]
         steering = [specs for _, specs in single.values()] + [specs for _, specs, _ in concurrent]
         outputs = llm.generate(prompts, SamplingParams(**GREEDY, ignore_eos=True), steering)
+        kept = llm.generate(
+            [PROMPT, {"prompt_token_ids": chat_ids}],
+            SamplingParams(**GREEDY, ignore_eos=True),
+            [[], steered],
+            capture=CAPTURED,
+        )
     finally:
         llm.shutdown()
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    directory = tmp_path_factory.mktemp("serve")
     vector_file = directory / "vectors.safetensors"
     save_file({"preloaded": found["preloaded"]}, str(vector_file))
     (directory / "chat.jinja").write_text(CHAT_TEMPLATE)
-    arguments = [str(path), "--served-model-name", MODEL, "--steering-vectors", str(vector_file)]
+    arguments = [str(path), "--served-model-name", MODEL, "--steering-vectors", str(vector_file), f"control={control}"]
+    arguments += ["--capture-values", *KEPT, "--max-capture-bytes", str(MAX_CAPTURE_BYTES)]
     arguments += ["--chat-template", str(directory / "chat.jinja")]
+    arguments += ["--api-key", KEY, "--max-steering-vectors", str(CAPACITY)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     server = Server(arguments, directory / "server.log")
     try:
@@ -216,6 +258,8 @@ def served(tmp_path_factory):
             steered=steered,
             chat_ids=chat_ids,
             expected=dict(zip(single, tokens)),
+            per_layer=per_layer,
+            kept={"plain": kept[0].activations, "chat steered": kept[1].activations},
             concurrent=list(zip(concurrent, tokens[len(single) :])),
         )
     finally:
@@ -223,7 +267,7 @@ def served(tmp_path_factory):
 
 
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def completion_tokens(served, steering: list[dict] | None, stream: bool) -> list[int]:
@@ -272,7 +316,7 @@ def concurrent_tokens(url: str, cases: list[tuple[str, list[Steering], dict[int,
     """Each case's generated tokens, all sent at once by one asyncio ``openai`` client."""
 
     async def all_requests():
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as aclient:
 
             async def one(prompt, specs, names):
                 body = {**EXTRA, "steering": as_json(specs, names)}
@@ -293,7 +337,9 @@ def test_64_concurrent_mixed_clients_each_get_their_own_result(served):
 
 def post(served, path: str, body) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(served.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(
+        served.url + path, content=content, headers={"content-type": "application/json", **AUTH}, timeout=60
+    )
 
 
 def spec(**fields) -> dict:
@@ -363,19 +409,22 @@ def test_what_would_bypass_the_checks_is_refused(served, body, param):
 
 def test_the_registry_registers_lists_steers_and_forgets(served):
     vectors_url = "/v1/steering/vectors"
-    listed = httpx.get(served.url + vectors_url).json()
-    assert listed["data"] == [{"object": "steering.vector", "name": "preloaded", "size": HIDDEN}]  # --steering-vectors
+    listed = httpx.get(served.url + vectors_url, headers=AUTH).json()
+    assert listed["data"] == [  # --steering-vectors: a file of named vectors, and a control vector made per layer
+        {"object": "steering.vector", "name": "control", "size": HIDDEN, "layers": [0, 2]},
+        {"object": "steering.vector", "name": "preloaded", "size": HIDDEN},
+    ]
     posted = served.vectors["posted"].tolist()
     assert post(served, vectors_url, {"name": "posted", "vector": posted}).status_code == 201
     assert post(served, vectors_url, {"name": "posted", "vector": posted}).status_code == 200  # the same again
     conflict = post(served, vectors_url, {"name": "posted", "vector": [0.0] * HIDDEN})
     assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "name"
-    names = [entry["name"] for entry in httpx.get(served.url + vectors_url).json()["data"]]
-    assert names == ["posted", "preloaded"]
+    names = [entry["name"] for entry in httpx.get(served.url + vectors_url, headers=AUTH).json()["data"]]
+    assert names == ["control", "posted", "preloaded"]
     steering = [{"layers": 0, "vector": "posted", "factor": 1.5}]
     assert completion_tokens(served, steering, stream=True) == served.expected["posted"]
-    assert httpx.delete(served.url + vectors_url + "/posted").json()["deleted"] is True
-    missing = httpx.delete(served.url + vectors_url + "/posted")
+    assert httpx.delete(served.url + vectors_url + "/posted", headers=AUTH).json()["deleted"] is True
+    missing = httpx.delete(served.url + vectors_url + "/posted", headers=AUTH)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
     refused = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "steering": steering})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "steering[0].vector"
@@ -400,13 +449,304 @@ def test_bad_registrations_are_refused_with_400(served, body, param, message):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert re.search(message, error["message"]), error["message"]
-    assert [e["name"] for e in httpx.get(served.url + "/v1/steering/vectors").json()["data"]] == ["preloaded"]
+    assert [e["name"] for e in httpx.get(served.url + "/v1/steering/vectors", headers=AUTH).json()["data"]] == [
+        "control",
+        "preloaded",
+    ]
+
+
+def test_a_vector_made_per_layer_steers_at_its_own_layers_by_file_and_by_post(served):
+    """`--steering-vectors control=<repeng .gguf>` and a POST of ``{"name", "vector": {layer: [...]}}``: a spec naming
+    either without layers applies it at its own layers, as `SteeredVLLM` does with `Steering.load`'s specs."""
+    assert completion_tokens(served, [{"vector": "control", "factor": 2.0}], stream=False) == served.expected["control"]
+    body = {"name": "per-layer", "vector": {str(k): v.tolist() for k, v in served.per_layer.items()}}
+    assert post(served, "/v1/steering/vectors", body).status_code == 201
+    steering = [{"vector": "per-layer", "factor": -1.0, "positions": "generated"}]
+    try:
+        assert completion_tokens(served, steering, stream=True) == served.expected["per layer"]
+        named = {"model": MODEL, "prompt": PROMPT, **GREEDY}
+        for spec_, param, message in (
+            ({"vector": "per-layer", "layers": 1}, "steering[0].layers", r"carries layers \[0, 2\], not \[1\]"),
+            ({"vector": "preloaded"}, "steering[0].layers", "one vector, made for no layer: name the layers"),
+            ({"vector": [0.5] * HIDDEN}, "steering[0].layers", "'layers' is required"),
+        ):
+            refused = post(served, "/v1/completions", {**named, "steering": [spec_]})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+            assert re.search(message, refused.json()["error"]["message"]), refused.text
+        bad = post(served, "/v1/steering/vectors", {"name": "bad", "vector": {"x": [0.0] * HIDDEN}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "vector.x", bad.text
+    finally:
+        httpx.delete(served.url + "/v1/steering/vectors/per-layer", headers=AUTH)
+
+
+def decoded(activations: dict) -> dict[str, torch.Tensor]:
+    """A choice's ``activations`` as tensors: base64 of raw little-endian bytes, dtype and shape given."""
+    import base64
+
+    return {
+        name: torch.frombuffer(
+            bytearray(base64.b64decode(entry["data"])), dtype=getattr(torch, entry["dtype"])
+        ).reshape(entry["shape"])
+        for name, entry in activations.items()
+    }
+
+
+def test_capture_comes_back_in_each_choice_as_the_steered_engine_keeps_it(served):
+    capture = {"values": [s.text for s in CAPTURED.values]}
+    response = post(
+        served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **EXTRA, "capture": capture}
+    )
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["token_ids"] == served.expected["plain"]
+    kept = decoded(choice["activations"])
+    assert list(kept) == list(served.kept["plain"])
+    for name, rows in served.kept["plain"].items():
+        torch.testing.assert_close(kept[name], rows)
+    chat = {"model": MODEL, "messages": MESSAGES, **GREEDY, **EXTRA, "steering": as_json(served.steered)}
+    response = post(served, "/v1/chat/completions", {**chat, "capture": {**capture, "dtype": "float16"}})
+    (choice,) = response.json()["choices"]
+    kept = decoded(choice["activations"])
+    for name, rows in served.kept["chat steered"].items():
+        torch.testing.assert_close(kept[name], rows.half())  # the steered stream, kept in float16
+    two = post(served, "/v1/completions", {"model": MODEL, "prompt": [PROMPT, "Other"], **GREEDY, "capture": capture})
+    assert [len(c["activations"]) for c in two.json()["choices"]] == [2, 2]
+    first = decoded(sorted(two.json()["choices"], key=lambda c: c["index"])[0]["activations"])
+    torch.testing.assert_close(first["layers.1.layer_output"], served.kept["plain"]["layers.1.layer_output"])
+    plain = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **EXTRA})
+    assert "activations" not in plain.json()["choices"][0]
+
+
+BAD_CAPTURES = [
+    ({"capture": {"values": "layers.1.self_attn.attention_queries"}}, "capture.values", "not kept by the engine"),
+    ({"capture": {"values": "layers.2.mlp_output"}}, "capture.values", "this server keeps no layers.2.mlp_output"),
+    ({"capture": {"values": "layers.5.layer_output"}}, "capture.values", r"layer\(s\) \[5\] do not exist"),
+    ({"capture": {"values": "layers.1.layer_output", "positions": [99]}}, "capture.positions", r"\[99\]"),
+    ({"capture": {"values": "layers.1.layer_output", "dtype": "int8"}}, "capture.dtype", "floating torch dtype"),
+    ({"capture": {"values": "layers.1.layer_output", "scale": 2}}, "capture.scale", "unknown field 'scale'"),
+    ({"capture": ["layers.1.layer_output"]}, "capture", "capture is an object"),
+    ({"capture": {"values": "layers.1.layer_output"}, "stream": True}, "stream", "not served on streamed responses"),
+    ({"capture": {"values": "layers.1.layer_output"}, "n": 2, "temperature": 1.0}, "n", "send n=1"),
+    ({"capture": {"values": "layers.*.layer_output"}, "max_tokens": 200}, "capture", "--max-capture-bytes"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD_CAPTURES, ids=[b[1] + ":" + b[2][:20] for b in BAD_CAPTURES])
+def test_bad_capture_is_refused_with_400_naming_the_field(served, body, param, message):
+    response = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
+    assert completion_tokens(served, None, stream=False) == served.expected["plain"]
+
+
+def test_capture_is_refused_where_a_route_cannot_carry_it(served):
+    body = {**route_body("/v1/responses", None), "capture": {"values": "layers.1.layer_output"}}
+    response = post(served, "/v1/responses", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "capture", response.text
+    assert "capture is not served on /v1/responses" in response.json()["error"]["message"]
+
+
+def test_a_poisoning_request_is_refused_and_every_later_request_answers_as_before(served):
+    """One request whose added vector float32 cannot hold (each number finite) used to turn every later
+    request's output into ''; it is refused, naming the bound, and the next ones answer token for token."""
+    poison = [{"layers": 1, "vector": [3e38] * HIDDEN, "factor": 10}]
+    response = post(served, "/v1/completions", {"model": MODEL, "prompt": "Tell me a story", "steering": poison})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "steering" and "at layer 1" in error["message"] and "float32" in error["message"]
+    assert "+-2.13e+37" in error["message"] and "lower the factor or the vector" in error["message"]
+    assert completion_tokens(served, None, stream=False) == served.expected["plain"]
+    assert completion_tokens(served, as_json(served.steered), stream=True) == served.expected["steered"]
+    with_logprobs = client(served).completions.create(model=MODEL, prompt=PROMPT, logprobs=1, **GREEDY)
+    assert all(math.isfinite(value) for value in with_logprobs.choices[0].logprobs.token_logprobs)
+
+
+def test_the_api_key_guards_every_route_but_the_health_probes(served):
+    open_paths = {"/health": 200, "/ping": 200}
+    for path, status in open_paths.items():
+        assert httpx.get(served.url + path).status_code == status
+    guarded = [
+        ("POST", "/invocations", {"model": MODEL, "prompt": PROMPT, "steering": [spec(vector="preloaded")]}),
+        ("POST", "/invocations", {"model": MODEL, "prompt": PROMPT, "steering": [spec(vector="never-registered")]}),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT}),
+        ("POST", "/tokenize", {"model": MODEL, "prompt": PROMPT}),
+        ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6]}),
+        ("GET", "/metrics", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/v1/steering/vectors", None),
+        ("DELETE", "/v1/steering/vectors/preloaded", None),
+        ("DELETE", "/v1/steering/vectors/never-registered", None),
+    ]
+    answers = set()
+    for method, path, body in guarded:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = httpx.request(method, served.url + path, json=body, headers=headers, timeout=60)
+            assert response.status_code == 401, (method, path, response.text)
+            answers.add(response.text)
+    (answer,) = answers  # known and unknown names, every route: the same answer
+    assert "Authorization: Bearer <key>" in answer and "--api-key" in answer
+    listed = httpx.get(served.url + "/v1/steering/vectors", headers=AUTH).json()["data"]
+    assert [entry["name"] for entry in listed] == ["control", "preloaded"]  # nothing was deleted
+    assert completion_tokens(served, None, stream=False) == served.expected["plain"]
+
+
+def route_body(path: str, steering: list[dict] | None) -> dict:
+    """A request for ``MESSAGES`` (or ``PROMPT`` on /invocations, as a completion) on ``path``, greedy."""
+    body = {"model": MODEL, "temperature": 0.0, **({"steering": steering} if steering is not None else {})}
+    if path == "/v1/responses":
+        return {**body, "input": MESSAGES[0]["content"], "max_output_tokens": STEPS}
+    if path == "/v1/chat/completions/batch":
+        return {**body, "messages": [MESSAGES, MESSAGES], "max_tokens": STEPS}
+    if path in ("/invocations", "/v1/completions"):
+        return {**body, "prompt": PROMPT, "max_tokens": STEPS, "return_token_ids": True}
+    return {**body, "messages": MESSAGES, "max_tokens": STEPS}
+
+
+def route_texts(path: str, answer: dict) -> list[str]:
+    """The generated texts of a route's answer (on completions, the token ids)."""
+    if path == "/v1/responses":
+        items = [item for item in answer["output"] if item["type"] == "message"]
+        return [part["text"] for item in items for part in item["content"] if part["type"] == "output_text"]
+    if path == "/v1/messages":
+        return [part["text"] for part in answer["content"] if part["type"] == "text"]
+    if path in ("/invocations", "/v1/completions"):  # token ids: the text may be bytes that decode to nothing
+        return [json.dumps(choice["token_ids"]) for choice in answer["choices"]]
+    return [choice["message"]["content"] for choice in answer["choices"]]
+
+
+#: Steering under which the tiny model's greedy answer to ``MESSAGES`` is printable text ('UUUU...'), so
+#: routes that answer text only can be compared.
+PRINTABLE_STEERING = [
+    {"layers": 2, "vector": (torch.randn(HIDDEN, generator=torch.Generator().manual_seed(9)) * 4).tolist()}
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses", "/v1/chat/completions/batch", "/invocations"])
+def test_steering_applies_on_every_generation_route_as_on_completions(served, path):
+    """Each route answers as /v1/chat/completions (or, on /invocations, /v1/completions) does for the same
+    prompt and steering; a bad spec is refused with 400 naming it, before anything reaches the engine."""
+    steering = PRINTABLE_STEERING
+    reference = "/v1/completions" if path == "/invocations" else "/v1/chat/completions"
+    expected = {}
+    for name, field in (("plain", None), ("steered", steering)):
+        answer = post(served, reference, route_body(reference, field)).json()
+        expected[name] = route_texts(reference, answer)[0]
+    assert expected["plain"] != expected["steered"] and expected["steered"]
+    for name, field in (("plain", None), ("steered", steering)):
+        response = post(served, path, route_body(path, field))
+        assert response.status_code == 200, response.text
+        texts = route_texts(path, response.json())
+        assert texts and set(texts) == {expected[name]}, (name, texts, expected)
+    refused = post(served, path, route_body(path, [spec(layers=7)]))
+    assert refused.status_code == 400, refused.text
+    assert "steering[0]: layer(s) [7] do not exist" in refused.text
+    assert route_texts(path, post(served, path, route_body(path, steering)).json())[0] == expected["steered"]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/messages/count_tokens", "/detokenize"])
+def test_steering_on_a_route_that_cannot_carry_it_is_refused(served, path):
+    body = {"model": MODEL, "prompt": PROMPT, "messages": MESSAGES, "tokens": [5], "steering": [spec()]}
+    response = post(served, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "steering" and f"steering is not served on {path}" in error["message"]
+    assert "/v1/completions" in error["message"]
+    assert completion_tokens(served, as_json(served.steered), stream=False) == served.expected["steered"]
+
+
+def test_too_many_specs_and_too_large_bodies_are_refused_before_they_are_parsed_whole(served):
+    most = 4 * tiny.SIZES["num_hidden_layers"]  # the default: 4 per layer
+    body = {"model": MODEL, "prompt": PROMPT, "steering": [spec(vector=[0.5] * 64)] * 10_000}  # 3.3 MB
+    response, worst = while_another_client_asks(served, json.dumps(body).encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "steering" and f"at most {most} per request (--max-steering-specs)" in error["message"]
+    assert all(seconds < 1.0 for seconds in worst.values()), worst
+    accepted = post(
+        served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, "steering": [spec()] * most}
+    )
+    assert accepted.status_code == 200, accepted.text
+    bound = body_bound(most)
+    too_large = b'{"model": "tiny", "prompt": "' + b"a" * bound + b'"}'
+    for content in (too_large, iter([too_large[: bound // 2], too_large[bound // 2 :]])):  # declared, then streamed
+        response = httpx.post(served.url + "/v1/completions", content=content, headers=AUTH, timeout=60)
+        assert response.status_code == 413, response.text
+        assert f"larger than this server reads ({bound} bytes, --max-request-body-bytes)" in response.text
+    registering = post(served, "/v1/steering/vectors", {"name": "huge", "vector": [0.5] * (bound // 4)})
+    assert registering.status_code == 413
+    bad_element = post(
+        served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "steering": [spec(vector=[0.5] * 127 + ["NaN"])]}
+    )
+    assert bad_element.status_code == 400 and "element 127 is 'NaN' (str)" in bad_element.json()["error"]["message"]
+    assert completion_tokens(served, as_json(served.steered), stream=False) == served.expected["steered"]
+
+
+def while_another_client_asks(served, content: bytes) -> tuple[httpx.Response, dict[str, float]]:
+    """The answer to ``content`` sent to /v1/completions, and the longest wait of another client's /health
+    and small completion, asked over and over while it is under way."""
+    result = {}
+
+    def send():
+        headers = {"content-type": "application/json", **AUTH}
+        result["response"] = httpx.post(served.url + "/v1/completions", content=content, headers=headers, timeout=120)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = {"health": [], "small completion": []}
+    small = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    while sender.is_alive() or not waits["health"]:
+        started = time.monotonic()
+        assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+        waits["health"].append(time.monotonic() - started)
+        started = time.monotonic()
+        assert post(served, "/v1/completions", small).status_code == 200
+        waits["small completion"].append(time.monotonic() - started)
+    sender.join()
+    return result["response"], {name: max(values) for name, values in waits.items()}
+
+
+def body_bound(most: int) -> int:
+    """The server's default body bound: 4 MiB plus ``most`` inline vectors at 25 bytes a number."""
+    return 4 * 2**20 + most * HIDDEN * 25
+
+
+def test_the_registry_holds_at_most_its_capacity(served):
+    vectors_url = "/v1/steering/vectors"
+    held = len(httpx.get(served.url + vectors_url, headers=AUTH).json()["data"])
+    names = [f"fill-{i}" for i in range(CAPACITY - held)]
+    for name in names:
+        assert post(served, vectors_url, {"name": name, "vector": [0.25] * HIDDEN}).status_code == 201
+    full = post(served, vectors_url, {"name": "one-more", "vector": [0.25] * HIDDEN})
+    assert full.status_code == 409, full.text
+    error = full.json()["error"]
+    assert f"at most {CAPACITY} vectors (--max-steering-vectors)" in error["message"] and error["param"] == "name"
+    assert post(served, vectors_url, {"name": names[0], "vector": [0.25] * HIDDEN}).status_code == 200  # held already
+    for name in names:
+        assert httpx.delete(served.url + f"{vectors_url}/{name}", headers=AUTH).status_code == 200
+    assert post(served, vectors_url, {"name": "one-more", "vector": [0.25] * HIDDEN}).status_code == 201
+    assert httpx.delete(served.url + f"{vectors_url}/one-more", headers=AUTH).status_code == 200
+
+
+def test_the_largest_accepted_request_stalls_no_other_client(served):
+    """While one client sends a body at the bound with the most inline specs, /health and another client's
+    small completion each answer within a second."""
+    most = 4 * tiny.SIZES["num_hidden_layers"]
+    vector = [-1.2345678901234567e-05] * HIDDEN  # the longest a number is written
+    body = {"model": MODEL, "prompt": PROMPT, **GREEDY, "steering": [spec(vector=vector)] * most}
+    body["user"] = "u" * (body_bound(most) - len(json.dumps(body)) - 64)  # OpenAI's free-text field fills the rest
+    content = json.dumps(body).encode()
+    assert body_bound(most) - 64 <= len(content) <= body_bound(most)
+    response, worst = while_another_client_asks(served, content)
+    assert response.status_code == 200, response.text
+    assert all(seconds < 1.0 for seconds in worst.values()), worst
 
 
 def metrics(served) -> dict[str, float]:
     """vLLM's Prometheus counters and gauges, summed over labels."""
     found: dict[str, float] = {}
-    for line in httpx.get(served.url + "/metrics").text.splitlines():
+    for line in httpx.get(served.url + "/metrics", headers=AUTH).text.splitlines():
         if line.startswith("vllm:"):
             name, value = line.rsplit(" ", 1)
             found[name.split("{")[0]] = found.get(name.split("{")[0], 0.0) + float(value)
@@ -418,7 +758,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(served):
     before = metrics(served)["vllm:generation_tokens_total"]
     body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": tokens, "ignore_eos": True}
     body["steering"] = as_json(served.steered)
-    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         assert next(line for line in response.iter_lines() if line.startswith("data: "))  # generating; hang up
     deadline = time.monotonic() + 30
     while (now := metrics(served))["vllm:num_requests_running"] and time.monotonic() < deadline:
@@ -431,7 +771,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(served):
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(served):
     """Runs after every other test of the server: it stops it."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         served.server.terminate()
@@ -444,13 +784,17 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(served):
 
 def test_two_replicas_on_ray_serve_answer_steered_requests(served):
     """``--replicas 2`` on a local Ray cluster the server starts (and stops on SIGTERM)."""
+    home = Path.home() / ".ray"
+    before = set(home.rglob("*")) if home.exists() else set()
     server = Server(
-        served.arguments + ["--replicas", "2"],
+        served.arguments + ["--replicas", "2", "--metrics-without-api-key"],
         served.directory / "replicas.log",
-        env={"RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"},
+        env={"RAY_DEDUP_LOGS": "0"},
     )
     try:
         server.wait_ready()
+        assert httpx.get(server.url + "/metrics").status_code == 200  # open for scrapers, with the flag
+        assert httpx.get(server.url + "/v1/models").status_code == 401
         replicas = SimpleNamespace(**{**vars(served), "url": server.url})
         vectors_url = "/v1/steering/vectors"
         assert post(replicas, vectors_url, {"name": "posted", "vector": served.vectors["posted"].tolist()}).is_success
@@ -463,6 +807,7 @@ def test_two_replicas_on_ray_serve_answer_steered_requests(served):
         status = server.stop(timeout=180)
     assert status == 0, server.log.read_text()[-5000:]
     server.assert_left_nothing()
+    assert (set(home.rglob("*")) if home.exists() else set()) == before  # no auth token written
 
 
 def test_an_async_client_works_after_nnsight_is_imported():
@@ -497,26 +842,46 @@ def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(fla
         parse([str(tiny.checkpoint("llama")), *flags])
 
 
-@pytest.mark.parametrize(
-    "tensors, message",
-    [
-        ({"short": torch.zeros(7)}, r"vector 'short'.*\[hidden_size\] = \[128\]"),
-        ({"nan": torch.full((HIDDEN,), float("nan"))}, "NaN or inf"),
-        ({"rows": torch.zeros(2, HIDDEN)}, r"\[hidden_size\] = \[128\]"),
-        ({"a b": torch.zeros(HIDDEN)}, "a vector's name is 1 to 128 letters"),
-        (None, "cannot read it as a safetensors file"),
-    ],
-)
-def test_a_bad_steering_vectors_file_is_refused_naming_the_entry(tmp_path, tensors, message):
-    from nnterp_vllm.serve.fields import read_vectors_file
+def bad_sources(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """``--steering-vectors`` entries of every kind, each wrong in one way, and what the refusal names."""
+    files = {
+        "short": {"short": torch.zeros(7)},
+        "nan": {"nan": torch.full((HIDDEN,), float("nan"))},
+        "rows": {"rows": torch.zeros(2, HIDDEN)},
+        "name": {"a b": torch.zeros(HIDDEN)},
+        "narrow": {"layer_activations.1": torch.zeros(7)},
+    }
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"))
+    (tmp_path / "text.txt").write_text("not a vector")
+    torch.save({"activations": {1: torch.zeros(HIDDEN)}}, tmp_path / "keys.pt")
+    control = control_vector_file(tmp_path / "control.gguf", {1: torch.zeros(HIDDEN)})
+    return [
+        ([str(tmp_path / "short.safetensors")], r"vector 'short'.*\[hidden_size\] = \[128\]"),
+        ([str(tmp_path / "nan.safetensors")], "NaN or inf"),
+        ([str(tmp_path / "rows.safetensors")], r"\[hidden_size\] = \[128\]"),
+        ([str(tmp_path / "name.safetensors")], "a vector's name is 1 to 128 letters"),
+        ([f"v={tmp_path / 'narrow.safetensors'}"], r"vector 'v'.*\[hidden_size\] = \[128\]"),
+        ([str(tmp_path / "text.txt")], "text.txt is none of the formats"),
+        ([f"k={tmp_path / 'keys.pt'}"], r"keys.pt: .*'layer_activations'"),
+        ([f"x={tmp_path / 'short.safetensors'}"], "holds named vectors, registered under their own names"),
+        ([f"c={control}", f"c={control}"], "two entries register 'c'"),
+        ([f"a b={control}"], "a vector's name is 1 to 128 letters"),
+        ([f"c={tmp_path / 'missing.gguf'}"], "missing.gguf does not exist"),
+    ]
 
-    path = tmp_path / "vectors.safetensors"
-    if tensors is None:
-        path.write_text("not safetensors")
-    else:
-        save_file(tensors, str(path))
-    with pytest.raises(ValueError, match=f"--steering-vectors {path}: .*{message}"):
-        read_vectors_file(path, HIDDEN)
+
+def test_bad_steering_vectors_sources_are_refused_naming_the_entry(tmp_path):
+    from nnterp_vllm.serve.fields import read_vector_sources
+
+    for entries, message in bad_sources(tmp_path):
+        with pytest.raises(ValueError, match=f"--steering-vectors {re.escape(entries[-1])}: .*{message}"):
+            read_vector_sources(entries, HIDDEN, 8)
+    control = control_vector_file(tmp_path / "control.gguf", {0: torch.ones(HIDDEN), 2: torch.zeros(HIDDEN)})
+    read = read_vector_sources([f"{tmp_path / 'control.gguf'}"], HIDDEN, 8)
+    assert list(read) == ["control"] and sorted(read["control"]) == [0, 2] and control.exists()
+    with pytest.raises(ValueError, match="2 vectors, more than the registry holds .*--max-steering-vectors 1"):
+        read_vector_sources([f"a={control}", f"b={control}"], HIDDEN, 1)
 
 
 def test_the_command_line_refuses_a_bad_vector_file_in_one_line_before_the_engine_starts(tmp_path):

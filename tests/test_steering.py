@@ -1,10 +1,11 @@
-"""SteeredVLLM on vLLM's CPU build: steering compiled into the engine equals the nnsight path and transformers.
+"""SteeredVLLM on vLLM's CPU build: steering and capture compiled into the engine equal the nnsight path and
+transformers.
 
 Per family (llama: the dual ``(hidden, residual)`` stream; gpt2: one tensor) the references come
 first, one engine at a time: plain vLLM, then `StandardizedVLLM` (nnsight), then `SteeredVLLM` is
-built for the tests. The engine is built small on purpose (16 sequences, 64 tokens a step, a KV
-cache of a few blocks), so one batch of 32 prompts joins and leaves mid-batch, prefills in chunks
-and is preempted.
+built for the tests, keeping every stream value. The engine is built small on purpose (16 sequences,
+64 tokens a step, a KV cache of a few blocks), so one batch of 32 prompts joins and leaves mid-batch,
+prefills in chunks and is preempted.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import tiny
 import torch
 from vllm import LLM, SamplingParams
 
-from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering, UnsupportedFamily
-from nnterp_vllm.engines.vllm_platform import shutdown_llm
+from nnterp_vllm import Capture, StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering, UnsupportedFamily
+from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS, shutdown_llm
+from nnterp_vllm.harvest.selection import BLOCK_ORDER, Selection
 from nnterp_vllm.steering import per_prompt, specs_of
 
 STEPS = 16
@@ -28,6 +30,8 @@ BLOCK = 32
 GREEDY = {"temperature": 0.0, "max_tokens": STEPS, "ignore_eos": True, "logprobs": 0}
 #: Logprobs of the same tokens on two engines, fp32 (fused kernels round differently).
 LOGPROB_TOLERANCE = {"atol": 2e-4, "rtol": 1e-4}
+#: Kept values against each path's own, by the dtype they are kept in.
+KEPT_TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
 SUBJECTS = ["The quick brown fox", "A cup of coffee", "Rome was built", "Quantum computers", "My favourite book"]
 
 
@@ -35,6 +39,31 @@ def prompt_text(i: int) -> str:
     """Prompts of 40 to 180 byte tokens: the long ones prefill in chunks of the engine's 64-token steps."""
     words = f"{SUBJECTS[i % len(SUBJECTS)]} (note {i}) is"
     return (words + " and so on,") * (1 + (i * 7) % 4) + " then"
+
+
+#: Every stream value the engine under test keeps (three blocks: 29 values).
+KEPT = [
+    "token_embeddings",
+    "layers.*.layer_input",
+    "layers.*.attention_input",
+    "layers.*.self_attn.attention_output",
+    "layers.*.attention_output",
+    "layers.*.mixer_output",
+    "layers.*.mlp_input",
+    "layers.*.mlp.mlp_output",
+    "layers.*.mlp_output",
+    "layers.*.layer_output",
+    "final_norm_output",
+]
+#: What the captured requests keep: every position form, values at every kind of location, two dtypes.
+CAPTURES = [
+    Capture("layers.*.layer_output"),
+    Capture(["layers.1.attention_output", "layers.0.mlp_output", "layers.2.layer_input"], positions="prompt"),
+    Capture(["token_embeddings", "layers.1.layer_output", "layers.2.mixer_output"], positions="last"),
+    Capture(["layers.2.layer_output", "layers.1.mlp_input", "final_norm_output"], positions="generated"),
+    Capture(["layers.0.attention_input", "layers.1.self_attn.attention_output"], positions=[0, 2, -1]),
+    Capture(["layers.0.layer_output", "layers.2.mlp.mlp_output"], dtype="float16"),
+]
 
 
 def cases(hidden_size: int) -> list[tuple[str, list[Steering] | None]]:
@@ -53,6 +82,57 @@ def cases(hidden_size: int) -> list[tuple[str, list[Steering] | None]]:
     ]
     steering = [forms[i // 2 % len(forms)] if i % 2 == 0 else None for i in range(32)]
     return [(prompt_text(i), specs) for i, specs in enumerate(steering)]
+
+
+def capture_of(i: int) -> Capture | None:
+    """Prompts 0, 1, 4, 5, ... keep values (half of them steered), the others keep none."""
+    return CAPTURES[(i // 4 + i % 2 * 3) % len(CAPTURES)] if i % 4 < 2 else None
+
+
+def phase_positions(phase, prompt_length: int, fed: int) -> list[int]:
+    """The positions of a sequence of ``fed`` tokens (a prompt of ``prompt_length``, then generated ones) a spec's
+    ``phase`` (or list of prompt positions) names."""
+    if phase == "all":
+        return list(range(fed))
+    if phase == "prompt":
+        return list(range(prompt_length))
+    if phase == "generated":
+        return list(range(prompt_length, fed))
+    if phase == "last":
+        return [prompt_length - 1]
+    return sorted({position % prompt_length for position in phase})
+
+
+def selection_named(name: str) -> Selection:
+    parts = name.split(".", 2)
+    return Selection(None, name) if parts[0] != "layers" else Selection(int(parts[1]), parts[2])
+
+
+def forced_values(model, prompt_ids: list[int], generated: list[int], specs, names: list[str]) -> dict:
+    """Every named value at every position of one forward over the prompt and the generated tokens fed back in
+    (all but the last), each spec steered at its positions, read as the README teaches on either engine."""
+    fed = len(prompt_ids) + len(generated) - 1
+    steered: dict[int, list] = {}
+    for spec in specs or []:
+        for layer in spec.layers:
+            positions = phase_positions(spec.positions, len(prompt_ids), fed)
+            steered.setdefault(layer % model.num_layers, []).append((spec, positions))
+    wanted = [selection_named(name) for name in names]
+    # Forward order, each block's steering at its output: before its layer_output is read, after all else.
+    steps = [(selection.order(), selection) for selection in wanted]
+    steps += [((layer, len(BLOCK_ORDER) - 1.5), layer) for layer in steered]
+    with model.trace(prompt_ids + generated[:-1]):
+        found = nnsight.save({})
+        for _, step in sorted(steps, key=lambda item: item[0]):
+            if isinstance(step, int):
+                for spec, positions in steered[step]:
+                    model.steer(step, spec.vector, spec.factor, positions=positions)
+                continue
+            host = model if step.layer is None else model.layers[step.layer]
+            for part in step.key.split("."):
+                host = getattr(host, part)
+            found[step.name] = host[0]
+    return dict(found)
 
 
 def engine_args(model_type: str) -> dict:
@@ -120,6 +200,7 @@ def metric(model: LLM, name: str) -> float:
 
 
 LONG_PROMPT = "Steering keys the prefix cache: " + "every block of these tokens. " * 5
+DECODE_PROMPT = "Steering the answer alone shares the question: " + "block by block. " * 4
 OTHER_LONG_PROMPT = "The reverse order shares nothing: " + "block after block of them. " * 5
 
 
@@ -145,10 +226,21 @@ def family(request):
             i: greedy_generation(nnsight_model, prompt, specs) for i, (prompt, specs) in enumerate(batch) if specs
         }
         phases = phase_oracle(nnsight_model, hf.hidden_size)
+        kept_on_nnsight = {
+            i: forced_values(
+                nnsight_model,
+                hf.tokenizer(prompt)["input_ids"],
+                (on_nnsight[i] if specs else plain[i])[0],
+                specs,
+                capture_of(i).names(hf.num_layers),
+            )
+            for i, (prompt, specs) in enumerate(batch)
+            if capture_of(i) is not None
+        }
     finally:
         nnsight_model.shutdown()
 
-    model = SteeredVLLM(path, **engine_args(model_type))
+    model = SteeredVLLM(path, capture_values=KEPT, **engine_args(model_type))
     try:
         yield SimpleNamespace(
             model_type=model_type,
@@ -159,6 +251,7 @@ def family(request):
             plain=plain,
             on_nnsight=on_nnsight,
             phases=phases,
+            kept_on_nnsight=kept_on_nnsight,
         )
     finally:
         model.shutdown()
@@ -188,12 +281,37 @@ def phase_oracle(model: StandardizedVLLM, hidden_size: int) -> dict[str, SimpleN
     return found
 
 
+def kept_rows(capture: Capture, values: dict, prompt_length: int, fed: int) -> dict:
+    """The rows ``capture`` keeps of values read at every position of ``fed`` tokens."""
+    positions = phase_positions(capture.positions, prompt_length, fed)
+    return {name: value[positions].to(capture.dtype or value.dtype) for name, value in values.items()}
+
+
 class TestSteeredVLLM:
     def test_a_mixed_batch_equals_the_nnsight_path_and_transformers(self, family):
+        """Captured, steered, captured-and-steered and plain requests in one batch that prefills in chunks, is
+        preempted, and has requests join and leave: tokens and kept values equal each path's own."""
         model, batch = family.model, family.batch
         preemptions = metric(model, "vllm:num_preemptions")
-        outputs = model.generate([prompt for prompt, _ in batch], SamplingParams(**GREEDY), [s for _, s in batch])
+        captures = [capture_of(i) for i in range(len(batch))]
+        outputs = model.generate(
+            [prompt for prompt, _ in batch], SamplingParams(**GREEDY), [s for _, s in batch], capture=captures
+        )
         preempted = metric(model, "vllm:num_preemptions") - preemptions
+        for i, (output, capture) in enumerate(zip(outputs, captures)):
+            if capture is None:
+                assert output.activations is None and output.outputs[0].activations is None
+                continue
+            prompt_length, generated = len(output.prompt_token_ids), list(output.outputs[0].token_ids)
+            fed = prompt_length + len(generated) - 1
+            names = capture.names(family.hf.num_layers)
+            assert list(output.activations) == names
+            on_hf = forced_values(family.hf, output.prompt_token_ids, generated, batch[i][1], names)
+            tolerance = KEPT_TOLERANCE[capture.dtype or torch.float32]
+            for reference in (family.kept_on_nnsight[i], on_hf):
+                expected = kept_rows(capture, reference, prompt_length, fed)
+                for name in names:
+                    torch.testing.assert_close(output.activations[name], expected[name], **tolerance, msg=name)
         for i, ((prompt, specs), output) in enumerate(zip(batch, outputs)):
             tokens, logprobs = tokens_and_logprobs(output)
             plain_tokens, plain_logprobs = family.plain[i]
@@ -254,6 +372,36 @@ class TestSteeredVLLM:
         assert cached == 0 and cold != plain_other
         assert run(OTHER_LONG_PROMPT, first) == (cold, other_shared)
 
+    def test_steering_of_generated_tokens_only_shares_the_prompt_and_caches_none_of_its_own(self, family):
+        """Its prompt is computed as an unsteered request's: shared with those and with each other; the steered
+        generated tokens' blocks stay out of the cache, where a prompt repeating them would read them."""
+        model = family.model
+        tokenizer = model.get_tokenizer()
+        prompt = tokenizer(DECODE_PROMPT)["input_ids"]
+        params = SamplingParams(**{**GREEDY, "max_tokens": 2 * BLOCK})
+        spec = Steering(
+            1,
+            torch.randn(family.hf.hidden_size, generator=torch.Generator().manual_seed(17)) * 2,
+            positions="generated",
+        )
+
+        def run(prompt_ids, steering=None):
+            hits = metric(model, "vllm:prefix_cache_hits")
+            (output,) = model.generate({"prompt_token_ids": prompt_ids}, params, steering)
+            assert metric(model, "vllm:prefix_cache_hits") - hits == output.num_cached_tokens
+            return list(output.outputs[0].token_ids), output.num_cached_tokens
+
+        shared = len(prompt) // BLOCK * BLOCK
+        steered, cached = run(prompt, spec)
+        assert cached == 0
+        assert run(prompt, spec) == (steered, shared)  # steered alike: the prompt is shared
+        plain, cached = run(prompt)
+        assert cached == shared and plain != steered  # and shared with unsteered requests
+        assert run(prompt, spec) == (steered, shared)
+        # A prompt repeating the steered generation reads the prompt's blocks only; the plain generation's are cached.
+        assert run(prompt + steered)[1] == shared
+        assert run(prompt + plain)[1] > shared
+
     @pytest.mark.parametrize("phase", ["prompt", "generated"])
     def test_positions_steer_only_their_phase(self, family, phase):
         oracle = family.phases[phase]
@@ -299,6 +447,85 @@ class TestSteeredVLLM:
         (output,) = model.generate(SUBJECTS[3], SamplingParams(**GREEDY))
         assert len(output.outputs[0].token_ids) == STEPS
 
+    def test_capture_runs_inside_the_compiled_graph(self, family):
+        model = family.model
+        (before,) = model.capture_stats()
+        (steering_before,) = model.steering_stats()
+        vector = torch.randn(family.hf.hidden_size, generator=torch.Generator().manual_seed(5))
+        for capture in CAPTURES[:3]:  # other values and positions each time: the same compiled graph
+            (output,) = model.generate(SUBJECTS[2], SamplingParams(**GREEDY), Steering(1, vector), capture=capture)
+            assert list(output.activations) == capture.names(family.hf.num_layers)
+        (after,) = model.capture_stats()
+        (steering_after,) = model.steering_stats()
+        assert after["eager_calls"] == before["eager_calls"] == 0
+        assert after["rows_kept"] > before["rows_kept"]
+        assert steering_after["compilation"] == steering_before["compilation"]
+        assert steering_after["dynamo_unique_graphs"] == steering_before["dynamo_unique_graphs"]
+        assert after["finished_held"] == 0  # every request's rows went to its output
+
+    def test_captured_prompts_are_computed_and_plain_ones_keep_sharing_the_cache(self, family):
+        model = family.model
+        params = SamplingParams(**{**GREEDY, "max_tokens": 4})
+        capture = Capture(["layers.*.layer_output", "token_embeddings"])
+        shared = len(model.get_tokenizer()(LONG_PROMPT)["input_ids"]) // BLOCK * BLOCK
+
+        def run(capture=None):
+            hits = metric(model, "vllm:prefix_cache_hits")
+            (output,) = model.generate(LONG_PROMPT, params, capture=capture)
+            assert metric(model, "vllm:prefix_cache_hits") - hits == output.num_cached_tokens
+            return output
+
+        model.generate(LONG_PROMPT, params)  # the prompt's blocks are in the cache
+        first = run(capture)
+        plain = run()
+        second = run(capture)
+        assert first.num_cached_tokens == second.num_cached_tokens == 0  # computed, not served from cache
+        assert plain.num_cached_tokens == shared > 0  # an uncaptured request keeps sharing
+        for name, rows in first.activations.items():
+            assert torch.equal(rows, second.activations[name]), name
+        # Positions vLLM computes anyway (the prompt's last token, generated ones) may read the cache.
+        last = run(Capture("layers.1.layer_output", positions="last"))
+        assert last.num_cached_tokens == shared
+        torch.testing.assert_close(
+            last.activations["layers.1.layer_output"],
+            first.activations["layers.1.layer_output"][len(first.prompt_token_ids) - 1 : len(first.prompt_token_ids)],
+            **KEPT_TOLERANCE[torch.float32],
+        )
+
+    @pytest.mark.parametrize(
+        "make, error, message",
+        [
+            (
+                lambda: Capture("layers.1.self_attn.attention_probabilities"),
+                ValueError,
+                "not kept by the engine.*nnsight",
+            ),
+            (lambda: Capture("logits"), ValueError, "not kept by the engine"),
+            (lambda: Capture("layers.x.layer_output"), ValueError, "the layer part 'x' is not"),
+            (lambda: Capture([]), ValueError, "non-empty list"),
+            (lambda: Capture(7), TypeError, "values is a selector"),
+            (lambda: Capture("layers.1.layer_output", positions="middle"), ValueError, "'last'.*got 'middle'"),
+            (lambda: Capture("layers.1.layer_output", dtype="int8"), ValueError, "floating torch dtype"),
+            (lambda: [None, Capture("layers.7.layer_output")], ValueError, r"layer\(s\) \[7\] do not exist"),
+            (lambda: [None, Capture("layers.1.layer_output", positions=[99])], ValueError, r"position\(s\) \[99\]"),
+            (lambda: [Capture("layers.1.layer_output")] * 3, ValueError, "3 entries for 2 prompts"),
+            (lambda: {"values": "layers.1.layer_output"}, TypeError, "capture is None, a Capture"),
+        ],
+    )
+    def test_bad_captures_are_refused_before_the_engine_sees_them(self, family, make, error, message):
+        model = family.model
+        requests = model.request_counter.counter
+        with pytest.raises(error, match=message):
+            model.generate([SUBJECTS[0], SUBJECTS[1]], SamplingParams(**GREEDY), capture=make())
+        assert model.request_counter.counter == requests
+        assert model.llm_engine.get_num_unfinished_requests() == 0
+        (output,) = model.generate(SUBJECTS[3], SamplingParams(**GREEDY), capture=CAPTURES[0])
+        assert output.activations["layers.0.layer_output"].shape[0] == len(output.prompt_token_ids) + STEPS - 1
+
+    def test_a_capture_keeping_more_than_one_completion_is_refused(self, family):
+        with pytest.raises(ValueError, match="one completion \\(n=1\\), not n=2"):
+            family.model.generate(SUBJECTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=4), capture=CAPTURES[0])
+
     def test_a_rendered_prompt_without_tokens_is_refused(self, family):
         spec = Steering(0, torch.zeros(family.hf.hidden_size))
         with pytest.raises(ValueError, match="cannot steer a prompt of type 'embeds'"):
@@ -312,6 +539,12 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
         ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
         ({"steering_rows_per_request": 0}, "steering_rows_per_request must be an int >= 1"),
+        ({"capture_values": "layers.1.self_attn.attention_queries"}, "capture_values: .* is not kept by the engine"),
+        ({"capture_values": "layers.3.layer_output"}, r"layer\(s\) \[3\] do not exist"),
+        (
+            {"capture_values": "layers.2.layer_output", "additional_config": {FIRST_BLOCKS: 2}},
+            "layers.2.layer_output lie after the 2 blocks this engine runs",
+        ),
     ]
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -330,41 +563,44 @@ def test_steering_for_generate_is_read_per_prompt_or_for_all():
         per_prompt({"layers": 0}, 2)
 
 
-def test_importing_the_spec_loads_no_vllm():
+def test_importing_the_specs_loads_no_vllm():
     code = (
-        "import sys, torch\nfrom nnterp_vllm import Steering\nSteering(1, [0.5, 1.0], positions=[-1])\n"
+        "import sys, torch\nfrom nnterp_vllm import Capture, Steering\nSteering(1, [0.5, 1.0], positions=[-1])\n"
+        "Capture(['layers.*.layer_output', 'layers.2.attention_input'], positions='last', dtype='float16')\n"
         "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_async_generate_on_two_tensor_parallel_ranks(monkeypatch):
-    """AsyncSteeredVLLM (the serving engine) with tensor_parallel_size=2: every rank holds the vectors.
+def test_async_generate_on_two_tensor_parallel_ranks():
+    """AsyncSteeredVLLM (the serving engine) with tensor_parallel_size=2: every rank holds the vectors, the first
+    keeps the captured rows (the streams are whole on every rank), and its threads are placed on CPUs of its own
+    without VLLM_CPU_OMP_THREADS_BIND.
 
     Eager (``enforce_eager``), so the two ranks need not compile: the compiled path is the one above,
-    and the steering operation is the same code either way."""
+    and the steering and capture operations are the same code either way."""
     import asyncio
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from nnterp_vllm import AsyncSteeredVLLM
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     path = tiny.checkpoint("llama")
     hf = StandardizedTransformer(path)
     vector = torch.randn(hf.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
     requests = [
-        (SUBJECTS[0], [Steering(1, vector, positions="prompt"), Steering(2, vector, factor=-1.0)]),
-        (SUBJECTS[1], None),
-        (SUBJECTS[2], Steering([0, 2], vector, factor=0.5, positions=[-1])),
+        (SUBJECTS[0], [Steering(1, vector, positions="prompt"), Steering(2, vector, factor=-1.0)], CAPTURES[0]),
+        (SUBJECTS[1], None, CAPTURES[1]),
+        (SUBJECTS[2], Steering([0, 2], vector, factor=0.5, positions=[-1]), None),
     ]
     arguments = AsyncEngineArgs(
         model=str(path), dtype="float32", max_model_len=256, tensor_parallel_size=2, enforce_eager=True
     )
-    engine = AsyncSteeredVLLM.from_engine_args(arguments)
+    engine = AsyncSteeredVLLM.from_engine_args(arguments, capture_values=KEPT)
 
-    async def one(i, prompt, steering):
-        async for output in engine.generate(prompt, SamplingParams(**GREEDY), f"request-{i}", steering=steering):
+    async def one(i, prompt, steering, capture):
+        params = SamplingParams(**GREEDY)
+        async for output in engine.generate(prompt, params, f"request-{i}", steering=steering, capture=capture):
             final = output
         return final
 
@@ -375,8 +611,17 @@ def test_async_generate_on_two_tensor_parallel_ranks(monkeypatch):
         outputs = asyncio.run(all_requests())
     finally:
         engine.shutdown()
-    for (prompt, steering), output in zip(requests, outputs):
+    for (prompt, steering, capture), output in zip(requests, outputs):
         tokens, logprobs = tokens_and_logprobs(output)
         hf_tokens, hf_logprobs = greedy_generation(hf, prompt, specs_of(steering))
         assert tokens == hf_tokens
         torch.testing.assert_close(logprobs, hf_logprobs, **LOGPROB_TOLERANCE)
+        if capture is None:
+            continue
+        names = capture.names(hf.num_layers)
+        on_hf = forced_values(hf, output.prompt_token_ids, tokens, specs_of(steering), names)
+        fed = len(output.prompt_token_ids) + len(tokens) - 1
+        expected = kept_rows(capture, on_hf, len(output.prompt_token_ids), fed)
+        assert list(output.activations) == names
+        for name in names:
+            torch.testing.assert_close(output.activations[name], expected[name], **KEPT_TOLERANCE[torch.float32])

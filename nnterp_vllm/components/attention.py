@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from nnsight.intervention.envoy import Envoy
+from nnsight.modeling.tp import device_mesh, gather, shard
 
 from .standard import Standard
 from .values import FIRST, WHOLE, Value, first_tensor
@@ -49,12 +50,21 @@ class HeadOutputs(Value):
     def read(self, host: Envoy) -> Any:
         self.check(host)
         premix = host.attention_premix
-        heads = premix.shape[2]
-        alone = premix.unsqueeze(0) * torch.eye(heads, dtype=premix.dtype, device=premix.device).view(
-            heads, 1, 1, heads, 1
-        )
-        projected = project(host.output_projection, alone.flatten(-2)) - projection_bias(host)
+        if sharded(host):
+            return self.read_sharded(host, premix)
+        projected = project(host.output_projection, alone(premix).flatten(-2)) - projection_bias(host)
         return projected.permute(1, 2, 0, 3)
+
+    def read_sharded(self, host: Envoy, premix: torch.Tensor) -> torch.Tensor:
+        """Under transformers tensor parallelism: each rank projects its own heads through its own columns of
+        the output projection (a row-parallel linear), and the heads are gathered."""
+        from torch.distributed.tensor import DTensor
+
+        weight = host.output_projection._module.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        own = alone(shard(host.root, premix, dim=2))
+        projected = torch.nn.functional.linear(own.flatten(-2), local.to(own.dtype))
+        return gather(host.root, projected.permute(1, 2, 0, 3).contiguous(), dim=2)
 
     def __set__(self, host: Envoy, value: Any) -> None:
         self.check(host)
@@ -66,6 +76,13 @@ class HeadOutputs(Value):
         host._projection_output = value.sum(dim=2) + projection_bias(host)
 
 
+def alone(premix: torch.Tensor) -> torch.Tensor:
+    """``[heads, batch, seq, heads, head_dim]``: for each head, the premix with every other head zeroed."""
+    heads = premix.shape[2]
+    eye = torch.eye(heads, dtype=premix.dtype, device=premix.device)
+    return premix.unsqueeze(0) * eye.view(heads, 1, 1, heads, 1)
+
+
 def projection_bias(host: Envoy) -> torch.Tensor:
     """What the output projection adds to a zero input (its bias, or zeros), ``[out]``."""
     module = host.output_projection._module
@@ -75,9 +92,47 @@ def projection_bias(host: Envoy) -> torch.Tensor:
     return project(host.output_projection, torch.zeros(1, width, dtype=parameter.dtype, device=parameter.device))[0]
 
 
-def interior(key: str, description: str, select: Any = FIRST) -> Value:
-    """A value read around the attention's interface call, unavailable where `Attention.interior_reason` says."""
-    return Value(key, select=select, description=description, unavailable=lambda attention: attention.interior_reason())
+def sharded(host: Envoy) -> bool:
+    """Whether ``host``'s model is split across ranks by transformers tensor parallelism."""
+    return device_mesh(host.root) is not None
+
+
+class Interior(Value):
+    """A value read around the attention's interface call, unavailable where `Attention.interior_reason` says.
+
+    Under transformers tensor parallelism each rank computes its own heads there (nnsight makes whole only the
+    values at a split module's boundary), so the value is gathered across the tensor-parallel mesh along
+    ``axis``, the heads' axis where it is read (a function of the attention envoy, or an int), into a copy whose
+    in-place edits are written back; a written value is cut back to the rank's own heads.
+    """
+
+    def __init__(self, key: str, description: str, select: Any = FIRST, axis: Any = 1) -> None:
+        super().__init__(
+            key, select=select, description=description, unavailable=lambda attention: attention.interior_reason()
+        )
+        self.axis = axis
+
+    def heads_axis(self, host: Envoy) -> int:
+        """The heads' axis of the value where it is read on ``host``."""
+        return self.axis(host) if callable(self.axis) else self.axis
+
+    def writes_back_on(self, host: Envoy) -> bool:
+        return self.writes_back or sharded(host)
+
+    def serve(self, host: Envoy, part: Any) -> Any:
+        if sharded(host):
+            # A collective's output: cloned so that in-place edits are allowed, and written back.
+            part = gather(host.root, part, dim=self.heads_axis(host)).clone()
+        return super().serve(host, part)
+
+    def accept(self, host: Envoy, value: Any) -> Any:
+        value = super().accept(host, value)
+        return shard(host.root, value, dim=self.heads_axis(host)) if sharded(host) else value
+
+
+def interior(key: str, description: str, select: Any = FIRST, axis: Any = 1) -> Value:
+    """An `Interior` value: read around the attention's interface call, its heads on ``axis`` there."""
+    return Interior(key, description, select=select, axis=axis)
 
 
 def argument(position: int) -> Any:
@@ -154,7 +209,11 @@ class Attention(Standard):
         select=WHOLE,
     )
 
-    @interior("{self.PREMIX}", "Per-head mixed values before the output projection [batch, seq, heads, head_dim]")
+    @interior(
+        "{self.PREMIX}",
+        "Per-head mixed values before the output projection [batch, seq, heads, head_dim]",
+        axis=lambda attention: 1 if attention.PREMIX_HEADS_FIRST else 2,
+    )
     def attention_premix(self, value: Any) -> Any:
         """Each head's mix of the values, before the heads are concatenated and projected."""
         return value.transpose(1, 2) if self.PREMIX_HEADS_FIRST else value

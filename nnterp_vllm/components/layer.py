@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .mixer import MixerOutput
 from .standard import Standard
 from .values import Delegate, Value
@@ -19,15 +17,8 @@ class Layer(Standard):
     instead, and ``layer_output == layer_input + mixer_output + mlp_output``.
     """
 
-    @Value("input", description="The residual stream entering the block [batch, seq, hidden]")
-    def layer_input(self, value: Any) -> Any:
-        """The residual stream entering this block."""
-        return value
-
-    @Value("output", description="The residual stream leaving the block [batch, seq, hidden]")
-    def layer_output(self, value: Any) -> Any:
-        """The residual stream leaving this block, a tensor even when the block returns a tuple."""
-        return value
+    layer_input = Value("input", description="The residual stream entering the block [batch, seq, hidden]")
+    layer_output = Value("output", description="The residual stream leaving the block [batch, seq, hidden]")
 
     attention_output = Delegate(
         "self_attn", "attention_output", description="What the attention sublayer adds to the residual stream"

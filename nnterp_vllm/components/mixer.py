@@ -7,7 +7,7 @@ from typing import Any
 from nnsight.intervention.envoy import Envoy
 
 from .standard import Standard
-from .values import Value
+from .values import Located, Value
 
 
 class Mixer(Standard):
@@ -16,10 +16,7 @@ class Mixer(Standard):
     A family names the module ``mixer``; its output is what the block adds to the residual stream.
     """
 
-    @Value("output", description="What the token mixer adds to the residual stream [batch, seq, hidden]")
-    def mixer_output(self, value: Any) -> Any:
-        """The mixer's contribution to the residual stream, a tensor even when the module returns a tuple."""
-        return value
+    mixer_output = Value("output", description="What the token mixer adds to the residual stream [batch, seq, hidden]")
 
 
 class MixerOutput(Value):
@@ -46,6 +43,10 @@ class MixerOutput(Value):
         self.check(block)
         host, name = self.target(block)
         return getattr(host, name)
+
+    def located(self, block: Envoy) -> Located | str:
+        host, name = self.target(block)
+        return self.reason(block) or type(host).values()[name].located(host)
 
     def __set__(self, block: Envoy, value: Any) -> None:
         self.check(block)

@@ -9,6 +9,7 @@ It can also say why it is unavailable on a given model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,27 @@ FIRST = "<first>"
 WHOLE = None
 
 Reason = str | Callable[[Envoy], str | None] | None
+
+#: Why a value cannot be read outside nnsight (see `Value.located`).
+NNSIGHT_ONLY = "it is computed or reshaped while a trace runs; read it through nnsight (StandardizedVLLM)"
+AT_AN_OPERATION = (
+    "it lives at an operation inside a forward, which only nnsight reaches; read it through StandardizedVLLM"
+)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a value lives on the loaded module tree, for a reader inside the engine's compiled model (no nnsight).
+
+    ``module`` is the path of a module from the root module (``""`` for the root itself), ``attribute`` the
+    hook point there: ``"output"`` (what the module returns), ``"input"`` or ``"inputs"`` (its call's
+    ``(args, kwargs)``); ``flat`` is pure tensor code from what a hook at that point sees to the value as
+    ``[tokens, ...]``, so it can run inside a compiled graph.
+    """
+
+    module: str
+    attribute: str
+    flat: Callable[[Any], torch.Tensor]
 
 
 def first_tensor(value: Any) -> Any:
@@ -119,6 +141,30 @@ class Value(eproperty):
         served = "input" if attribute == "inputs" else attribute
         return f"{node.path}.{served}", attribute
 
+    def located(self, host: Envoy) -> Located | str:
+        """Where this value lives on ``host``'s module tree and how it is read there without nnsight
+        (`Located`), or why it cannot be: the reason it is unavailable, or why only nnsight reads it."""
+        reason = self.reason(host)
+        if reason:
+            return reason
+        flat = self.flat_part(host)
+        if isinstance(flat, str):
+            return flat
+        location, attribute = self.locate(host)
+        if ".source." in f".{location}":
+            return AT_AN_OPERATION
+        module, root = location.rsplit(".", 1)[0], host.root.path
+        module = "" if module == root else module.removeprefix(f"{root}.")
+        select = self.selection(host)
+        return Located(module, attribute, lambda raw: flat(self.pick(attribute, raw, select)))
+
+    def flat_part(self, host: Envoy) -> Callable[[Any], torch.Tensor] | str:
+        """How the selected part of the served value becomes this value as ``[tokens, ...]`` without nnsight
+        (pure tensor code), or why it cannot: a value read or reshaped by code that runs in a trace."""
+        if type(self).read is not Value.read or self._preprocess is not None:
+            return NNSIGHT_ONLY
+        return _unchanged
+
     # -- selection ------------------------------------------------------------
 
     def selection(self, host: Envoy) -> Any:
@@ -167,6 +213,10 @@ class Value(eproperty):
     #: Whether a read hands out a copy whose in-place edits must be written back (see `write_back`).
     writes_back = False
 
+    def writes_back_on(self, host: Envoy) -> bool:
+        """Whether a read on ``host`` hands out such a copy (`writes_back`, unless a value says otherwise)."""
+        return self.writes_back
+
     def serve(self, host: Envoy, part: Any) -> Any:
         """What a read returns, from the selected part of the served value."""
         return self._preprocess(host, part) if self._preprocess is not None else part
@@ -196,7 +246,8 @@ class Value(eproperty):
         self.check(host)
         location, attribute = self.locate(host)
         select = self.selection(host)
-        if self.writes_back:
+        writes_back = self.writes_back_on(host)
+        if writes_back:
             mediator = Mediator.current(location)
             occurrence = mediator.wanted(location)
             waiting = mediator.transform
@@ -204,7 +255,7 @@ class Value(eproperty):
                 return waiting.view
         raw = Mediator.value(location)
         value = self.serve(host, self.pick(attribute, raw, select))
-        if self.writes_back:
+        if writes_back:
             # Swapped in when the worker next asks the model for anything, so in-place edits
             # of the copy reach the model as an assignment would.
             restore = partial(self.write_back, host, attribute, select, value, raw)
@@ -229,6 +280,10 @@ class Value(eproperty):
         raw = Mediator.value(location)
         value = conform(f"{host.path}.{self.name}", value, self.serve(host, self.pick(attribute, raw, select)))
         Mediator.swap(location, self.put(attribute, raw, self.accept(host, value), select))
+
+
+def _unchanged(part: Any) -> Any:
+    return part
 
 
 def require_trace(what: str) -> None:
@@ -296,6 +351,13 @@ class Delegate(Value):
         self.check(host)
         return getattr(self.host_of(host), self.target)
 
+    def located(self, host: Envoy) -> Located | str:
+        reason = self.reason(host)
+        if reason:
+            return reason
+        child = self.host_of(host)
+        return getattr(type(child), self.target).located(child)
+
     def __set__(self, host: Envoy, value: Any) -> None:
         self.check(host)
         setattr(self.host_of(host), self.target, value)
@@ -331,6 +393,13 @@ class Scaled(Value):
 
     def serve(self, host: Envoy, part: Any) -> Any:
         return super().serve(host, part * self.factor(host))
+
+    def flat_part(self, host: Envoy) -> Callable[[Any], torch.Tensor] | str:
+        unscaled = super().flat_part(host)
+        if isinstance(unscaled, str):
+            return unscaled
+        factor = self.factor(host)
+        return lambda part: unscaled(part) * factor
 
     def accept(self, host: Envoy, value: Any) -> Any:
         return super().accept(host, value) / self.factor(host)

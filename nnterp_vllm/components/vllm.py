@@ -129,6 +129,9 @@ class Copied(Value):
     def accept(self, host: Envoy, value: Any) -> Any:
         return one_prompt(super().accept(host, value), self.name)
 
+    def flat_part(self, host: Envoy) -> Any:
+        return _without_batch_axis(super().flat_part(host))
+
 
 class Hidden(Flat):
     """A value at a module around the blocks (the embeddings, the final norm): flat where vLLM runs its own model
@@ -143,6 +146,15 @@ class Hidden(Flat):
         if on_transformers_backend(host):
             return one_prompt(Value.accept(self, host, value), self.name)
         return super().accept(host, value)
+
+    def flat_part(self, host: Envoy) -> Any:
+        flat = super().flat_part(host)
+        return _without_batch_axis(flat) if on_transformers_backend(host) else flat
+
+
+def _without_batch_axis(flat: Any) -> Any:
+    """``flat`` (a reader of ``[1, tokens, ...]``) reading ``[tokens, ...]``; a reason stays a reason."""
+    return flat if isinstance(flat, str) else lambda part: flat(part)[0]
 
 
 @functools.cache

@@ -33,13 +33,40 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from .. import capture as capture_specs
 from .. import families
+from ..capture import Capture, kept_count, reads_prompt_from_cache
 from ..components import first_tensor
+from ..components import values as values_module
 from ..components import vllm as on_vllm
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
-from ..steering import EXTRA_ARGS_KEY, Steering, TokenSets, per_prompt, request_steering, specs_of, token_sets
-from .vllm_platform import built_on_access, engine_kwargs, is_cpu_platform, publish, shutdown_llm
+from ..steering import (
+    EXTRA_ARGS_KEY,
+    Steering,
+    TokenSets,
+    decode_only,
+    per_prompt,
+    request_steering,
+    specs_of,
+    token_sets,
+)
+from . import capture as in_engine_capture
+from . import containment
+from .capture import CAPTURE_SETTING, Capturer, unpack
+from .closed import refuse_after_shutdown, shut_down_llm
+from .compile_cache import start_recompiling_once
+from .vllm_platform import (
+    TAKEN,
+    blocks_to_run,
+    built_on_access,
+    engine_kwargs,
+    is_cpu_platform,
+    publish,
+    remove_socket_directory,
+    run_first_blocks,
+    socket_directory,
+)
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
@@ -48,6 +75,7 @@ ROWS_PER_REQUEST = 2
 #: vLLM engine arguments the steered engine sets itself or cannot serve.
 _REFUSED = {
     "worker_cls": "the steered engine runs its own worker (vLLM's worker for the platform, re-classed runner)",
+    "scheduler_cls": "the steered engine runs vLLM's own scheduler, keeping steered generated tokens out of its cache",
     "speculative_config": "draft tokens would need their own steering rows; speculative decoding is not supported",
     "pipeline_parallel_size": "every rank holds every block's steering; pipeline parallelism is not supported",
 }
@@ -284,24 +312,38 @@ class Steerer:
 
 
 class SteeringModelRunner:
-    """Mixed in front of vLLM's model runner: installs the operation at load, fills its buffers each step."""
+    """Mixed in front of vLLM's model runner: installs the steering and capture operations at load, fills the
+    steering table and lays out the kept rows before each step, copies the kept rows out after it."""
 
     _steerer: Steerer
+    _capturer: Capturer
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        """Load as vLLM does, then add the steering operation before anything compiles the model."""
+        """Load as vLLM does, then keep its KV cache finite (`containment`) and add the operations before anything
+        compiles the model (steering first, so a value kept at a steered block's output is the steered stream)."""
         super().load_model(*args, **kwargs)
+        containment.keep_kv_cache_finite(self.model)
+        run_first_blocks(self.model, self.vllm_config)
         self._steerer = Steerer(self.model, self.vllm_config, self.device)
+        names = self.vllm_config.additional_config[CONFIG_KEY].get(CAPTURE_SETTING, [])
+        self._capturer = Capturer(self.model, self.vllm_config, self.device, names)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         batch = self.input_batch
         self._steerer.fill(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+        self._capturer.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         return prepared
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().execute_model(*args, **kwargs)
+        self._capturer.gather()
+        return output
 
     def _on_request_state_removed(self, req_id: str, req_state: Any) -> None:
         super()._on_request_state_removed(req_id, req_state)
         self._steerer.forget(req_id)
+        self._capturer.forget(req_id)
 
 
 def _define_worker_classes() -> None:
@@ -331,13 +373,26 @@ def _define_worker_classes() -> None:
     def steering_stats(self: Any) -> dict[str, Any]:
         return self.model_runner._steerer.stats()
 
+    def capture_stats(self: Any) -> dict[str, Any]:
+        return self.model_runner._capturer.stats()
+
+    def capture_places(self: Any) -> dict[str, Any]:
+        capturer = self.model_runner._capturer
+        return {"reasons": capturer.reasons, "places": capturer.places}
+
+    def take_captured(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
+        return self.model_runner._capturer.take(keys, packed)
+
     worker_class = type(
         names[1],
         (Worker,),
         {
-            "__doc__": f"vLLM's {Worker.__name__} whose runner steers.",
+            "__doc__": f"vLLM's {Worker.__name__} whose runner steers and captures.",
             "init_device": init_device,
             "steering_stats": steering_stats,
+            "capture_stats": capture_stats,
+            "capture_places": capture_places,
+            "take_captured": take_captured,
         },
     )
     publish(globals(), runner_class, worker_class)
@@ -347,18 +402,56 @@ def _define_worker_classes() -> None:
 __getattr__ = built_on_access(globals(), _WORKER_CLASSES, _define_worker_classes)
 
 
+# -- scheduler side -----------------------------------------------------------------------------------
+
+
+class PromptCachingScheduler:
+    """vLLM's scheduler (its asynchronous one where the engine schedules asynchronously) whose prefix cache takes
+    no block holding a generated token of a request steered at generated tokens only.
+
+    Such a request is not salted (`steering.request_steering`): its prompt is computed as an unsteered one's and
+    shared. The KV of its generated tokens is steered, though, and vLLM caches every full block, generated
+    tokens included, under the tokens' own hashes; a later prompt repeating those tokens (a chat's next turn)
+    would read them. So its cached blocks stop at its prompt.
+    """
+
+    def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+        scheduler = base(vllm_config, *args, **kwargs)
+        coordinator = scheduler.kv_cache_manager.coordinator
+        cache_blocks = coordinator.cache_blocks
+
+        def prompt_blocks_of_decode_steered(request: Any, num_computed_tokens: int) -> None:
+            steering = (
+                (request.sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY) if request.sampling_params else None
+            )
+            if steering is not None and decode_only(steering):
+                num_computed_tokens = min(num_computed_tokens, request.num_prompt_tokens)
+            cache_blocks(request, num_computed_tokens)
+
+        coordinator.cache_blocks = prompt_blocks_of_decode_steered
+        return scheduler
+
+
 # -- client side --------------------------------------------------------------------------------------
 
 
-def steering_settings(model: Any, given: dict[str, Any], rows_per_request: int = ROWS_PER_REQUEST) -> dict:
+def steering_settings(
+    model: Any, given: dict[str, Any], rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
-    The steering worker, its settings in ``additional_config`` (which also keys vLLM's compile cache
-    apart from plain vLLM's) and this platform's defaults (`engine_kwargs`). Refuses what the steered
-    engine cannot serve, and a model no vLLM family serves, before anything loads.
+    The steering worker, its settings in ``additional_config`` (the values it keeps, ``capture_values``,
+    among them; they also key vLLM's compile cache apart from plain vLLM's) and this platform's defaults
+    (`engine_kwargs`). Refuses what the steered engine cannot serve, a model no vLLM family serves, and
+    values it cannot keep, before anything loads.
     """
     refused = {
         "worker_cls": given.get("worker_cls") not in (None, "auto"),
+        "scheduler_cls": given.get("scheduler_cls") is not None,
         "speculative_config": given.get("speculative_config") is not None or given.get("spec_method") is not None,
         "pipeline_parallel_size": given.get("pipeline_parallel_size") not in (None, 1),
     }
@@ -370,36 +463,78 @@ def steering_settings(model: Any, given: dict[str, Any], rows_per_request: int =
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
     families.lookup(Standardized._model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
-    additional[CONFIG_KEY] = {"rows_per_request": rows_per_request, "code": _code_digest()}
-    plain = {name: value for name, value in given.items() if name != "worker_cls"}
-    defaults = {name: value for name, value in engine_kwargs(**plain).items() if name not in plain}
-    return {**defaults, "worker_cls": WORKERS["cpu" if is_cpu_platform() else "gpu"], "additional_config": additional}
+    kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
+    additional[CONFIG_KEY] = {"rows_per_request": rows_per_request, "code": _code_digest(), CAPTURE_SETTING: kept}
+    plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
+    placed = engine_kwargs(**{**plain, "additional_config": additional})
+    # What this platform's defaults add or replace (the executor of a CPU engine's ranks among them).
+    changed = {name: value for name, value in placed.items() if name not in plain or value is not plain[name]}
+    return {
+        **changed,
+        "worker_cls": WORKERS["cpu" if is_cpu_platform() else "gpu"],
+        "scheduler_cls": f"{__name__}.{PromptCachingScheduler.__name__}",
+    }
 
 
-def steered_engine_args(engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST) -> EngineArgs:
-    """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine."""
+def kept_values(capture_values: Any, num_layers: int, additional_config: dict[str, Any]) -> list[str]:
+    """The value names an engine built with ``capture_values`` keeps (none for ``None``), checked as `Capture`
+    checks its values; ValueError for a value after the blocks the engine runs (``additional_config``)."""
+    if capture_values is None:
+        return []
+    names = capture_specs.value_names(capture_specs.static_selectors(capture_values, "capture_values"), num_layers)
+    blocks = blocks_to_run(additional_config, num_layers)
+    deeper = [
+        name
+        for name in names
+        if (name == "final_norm_output" and blocks < num_layers)
+        or (name.startswith("layers.") and int(name.split(".")[1]) >= blocks)
+    ]
+    if deeper:
+        raise ValueError(
+            f"capture_values: {', '.join(deeper)} lie after the {blocks} blocks this engine runs "
+            "(additional_config's first-blocks setting); keep earlier values or run every block"
+        )
+    return names
+
+
+def steered_engine_args(
+    engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+) -> EngineArgs:
+    """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
+    ``capture_values``."""
     names = (
         "worker_cls",
+        "scheduler_cls",
         "speculative_config",
         "spec_method",
         "pipeline_parallel_size",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
         "revision",
         "trust_remote_code",
         "kv_cache_memory_bytes",
         "additional_config",
     )
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
-    return dataclasses.replace(engine_args, **steering_settings(engine_args.model, given, rows_per_request))
+    settings = steering_settings(engine_args.model, given, rows_per_request, capture_values)
+    return dataclasses.replace(engine_args, **settings)
 
 
 def _code_digest() -> str:
     """A digest of the code the compiled graph traces through here (a change recompiles)."""
-    sources = [Path(__file__).read_text(), inspect.getsource(on_vllm.Flat), inspect.getsource(on_vllm.DualStream)]
+    sources = [
+        Path(__file__).read_text(),
+        inspect.getsource(in_engine_capture),
+        inspect.getsource(containment),
+        inspect.getsource(on_vllm),
+        inspect.getsource(values_module),
+    ]
     return hashlib.sha256("".join(sources).encode()).hexdigest()[:16]
 
 
 class SteeringClient:
-    """The client half the two engines share: a rendered prompt and its specs, made a steered request."""
+    """The client half the two engines share: a rendered prompt and its specs, made a steered (and capturing)
+    request; the kept rows taken back from the engine."""
 
     vllm_config: Any
 
@@ -413,31 +548,88 @@ class SteeringClient:
         """The width of a steering vector."""
         return self.vllm_config.model_config.get_hidden_size()
 
+    @property
+    def capture_values(self) -> list[str]:
+        """The values this engine can keep (`Capture`), as it was built to: names such as ``layers.3.layer_output``."""
+        return list(self.vllm_config.additional_config[CONFIG_KEY][CAPTURE_SETTING])
+
     def steered_request(
-        self, engine_input: dict[str, Any], params: SamplingParams, specs: Sequence[Steering]
-    ) -> tuple[dict[str, Any], SamplingParams]:
-        """A rendered prompt (vLLM's ``EngineInput``) and its sampling params, steered by ``specs``.
+        self,
+        engine_input: dict[str, Any],
+        params: SamplingParams,
+        specs: Sequence[Steering],
+        capture: Capture | None = None,
+    ) -> tuple[dict[str, Any], SamplingParams, dict[str, Any] | None]:
+        """A rendered prompt (vLLM's ``EngineInput``) and its sampling params, steered by ``specs`` and keeping
+        what ``capture`` says; also the capture in engine form (``None`` where nothing is kept).
 
         Checks the specs against the model and the prompt (raising ``ValueError`` as `steer` does) and
-        returns copies: the steering in ``extra_args``, its cache salt in the prompt (after any salt the
-        prompt had). With no specs both come back as they are.
+        returns copies: the steering and the capture in ``extra_args``, the steering's cache salt in the
+        prompt (after any salt the prompt had); a request keeping prompt positions vLLM would take from the
+        prefix cache reads none of it. With neither, prompt and params come back as they are.
         """
+        length = _prompt_length(engine_input)
         made = request_steering(
             specs,
             self.num_layers,
             self.hidden_size,
-            _prompt_length(engine_input),
+            length,
             self.vllm_config.additional_config[CONFIG_KEY]["rows_per_request"],
+            self.vllm_config.model_config.dtype,
         )
-        if made is None:
-            return engine_input, params
-        wire, salt = made
-        engine_input = dict(engine_input)
-        own = engine_input.get("cache_salt")
-        engine_input["cache_salt"] = f"{own}|{salt}" if own else salt
+        wire = None
+        if capture is not None:
+            if params.n != 1:
+                raise ValueError(f"Capture: a capturing request makes one completion (n=1), not n={params.n}")
+            wire = capture.resolved(self.num_layers, self.capture_values, length, self.vllm_config.model_config.dtype)
+        if made is None and wire is None:
+            return engine_input, params, None
         params = params.clone()
-        params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: wire}
-        return engine_input, params
+        extra = dict(params.extra_args or {})
+        if made is not None:
+            steering, salt = made
+            if salt is not None:
+                engine_input = dict(engine_input)
+                own = engine_input.get("cache_salt")
+                engine_input["cache_salt"] = f"{own}|{salt}" if own else salt
+            extra[EXTRA_ARGS_KEY] = steering
+        if wire is not None:
+            extra[capture_specs.EXTRA_ARGS_KEY] = wire
+            if not reads_prompt_from_cache(wire):
+                params.skip_reading_prefix_cache = True
+        params.extra_args = extra
+        return engine_input, params, wire
+
+    def _check_capture_places(self, places: dict[str, Any]) -> None:
+        """Refuse, after the engine is built, values it was asked to keep but cannot (``places``: what the
+        worker found, the reasons among it)."""
+        if places["reasons"]:
+            self.shutdown()
+            reasons = "; ".join(f"{name}: {reason}" for name, reason in places["reasons"].items())
+            raise ValueError(f"capture_values: this model's family cannot keep {reasons}")
+        self.capture_places = places["places"]
+
+
+def merged(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' answers to ``take_captured`` as one (only the first tensor-parallel rank keeps rows)."""
+    return {key: found for answer in per_worker for key, found in answer.items()}
+
+
+def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
+    """Give ``output`` (and its completion) the rows its request kept: ``activations``, a dict from each value's
+    name to a ``[kept tokens, hidden]`` tensor in position order, as many rows as tokens went through the model
+    at the kept positions (the prompt and each generated token fed back in); ``None`` where it kept nothing."""
+    if wire is None:
+        output.activations = None
+        for completion in output.outputs:
+            completion.activations = None
+        return
+    rows = next(iter(taken.get(wire["key"], {}).values()), {})
+    completion = output.outputs[0]
+    fed = len(output.prompt_token_ids or []) + max(0, len(completion.token_ids) - 1)
+    count = kept_count(wire, fed)
+    activations = {name: unpack(rows[name])[:count] for name in wire["values"] if name in rows}
+    output.activations = completion.activations = activations
 
 
 def _prompt_length(engine_input: dict[str, Any]) -> int:
@@ -452,20 +644,35 @@ def _prompt_length(engine_input: dict[str, Any]) -> int:
 
 
 class SteeredVLLM(SteeringClient, LLM):
-    """vLLM's ``LLM`` whose requests may each carry `Steering`, applied inside the compiled model.
+    """vLLM's ``LLM`` whose requests may each carry `Steering` and `Capture`, both applied inside the compiled model.
 
     Args:
         model: A checkpoint directory or hub id whose model_type has a family in ``families/vllm/``.
         steering_rows_per_request: How many distinct sets of specs one request may apply to its tokens
             (one spec needs one; ``"prompt"`` beside ``"generated"`` two); sizes the steering table.
+        capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
+            or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
+            hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
         **kwargs: Every ``vllm.LLM`` argument, as vLLM takes it: compilation stays vLLM's default and
-            prefix caching stays on. On vLLM's CPU build the KV cache defaults to 64 MiB.
+            prefix caching stays on. On vLLM's CPU build the KV cache defaults to 64 MiB, and
+            ``distributed_executor_backend="ray"`` takes ``ray_address=`` (else ``RAY_ADDRESS``, else a private
+            cluster).
     """
 
-    def __init__(self, model: Any, *, steering_rows_per_request: int = ROWS_PER_REQUEST, **kwargs: Any) -> None:
-        kwargs.update(steering_settings(model, kwargs, steering_rows_per_request))
-        super().__init__(str(model), **kwargs)
+    def __init__(
+        self,
+        model: Any,
+        *,
+        steering_rows_per_request: int = ROWS_PER_REQUEST,
+        capture_values: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        settings = steering_settings(model, kwargs, steering_rows_per_request, capture_values)
+        kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
+        with socket_directory(self):
+            start_recompiling_once(lambda: super(SteeredVLLM, self).__init__(str(model), **kwargs))
         self.vllm_config = self.llm_engine.vllm_config
+        self._check_capture_places(self.collective_rpc("capture_places")[0])
 
     def generate(
         self,
@@ -473,18 +680,22 @@ class SteeredVLLM(SteeringClient, LLM):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         steering: Any = None,
         *,
+        capture: Any = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
         priority: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's ``generate``, each prompt steered by its specs; returns vLLM's ``RequestOutput``s in order.
+        """vLLM's ``generate``, each prompt steered by its specs and keeping what its capture says; returns vLLM's
+        ``RequestOutput``s in order, each capturing one with ``activations`` (`attach_activations`).
 
         Args:
             prompts: As for ``vllm.LLM.generate``: one or a list (text, token ids, ...).
             sampling_params: One for all prompts or one per prompt (vLLM's defaults when ``None``).
             steering: ``None``, a `Steering` or a list of them for every prompt; or a list as long as the
                 prompts, one entry per prompt (``None`` for an unsteered one).
+            capture: ``None``, one `Capture` for every prompt, or a list with one entry (a `Capture` or
+                ``None``) per prompt. A value kept at a steered block's output is the steered stream.
 
         Every spec is checked against the model and its prompt before any request reaches the engine.
         """
@@ -495,23 +706,49 @@ class SteeredVLLM(SteeringClient, LLM):
             sampling_params = self.get_default_sampling_params()
         params = self._params_to_seq(sampling_params, len(prompts))
         wanted = per_prompt(steering, len(prompts))
+        kept = capture_specs.per_prompt(capture, len(prompts))
         rendered = self._preprocess_cmpl(prompts, tokenization_kwargs)
-        requests = [self.steered_request(*request) for request in zip(rendered, params, wanted)]
+        requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept)]
         self._render_and_add_requests(
-            prompts=[engine_input for engine_input, _ in requests],
-            params=[request_params for _, request_params in requests],
+            prompts=[engine_input for engine_input, _, _ in requests],
+            params=[request_params for _, request_params, _ in requests],
             lora_requests=self._lora_request_to_seq(lora_request, len(prompts)),
             priorities=self._priority_to_seq(priority, len(prompts)),
         )
-        return self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
+        wires = [wire for _, _, wire in requests]
+        keys = [wire["key"] for wire in wires if wire is not None]
+        try:
+            outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
+        finally:
+            taken = self.take_captured(keys) if keys else {}
+        for output, wire in zip(outputs, wires):
+            attach_activations(output, wire, taken)
+        return outputs
+
+    def take_captured(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The rows the engine kept for the requests whose captures carry ``keys``, handed over and forgotten
+        there: ``{key: {request id: {value name: tensor}}}`` (as `pack` made them where the worker is another
+        process)."""
+        from vllm.v1.engine.core_client import InprocClient
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        client = self.llm_engine.engine_core
+        here = isinstance(client, InprocClient) and isinstance(client.engine_core.model_executor, UniProcExecutor)
+        return merged(self.collective_rpc("take_captured", args=(list(keys), not here)))
+
+    def capture_stats(self) -> list[dict[str, Any]]:
+        """Per worker: eager runs of the capture hooks, rows kept, requests whose rows it holds."""
+        return self.collective_rpc("capture_stats")
 
     def steering_stats(self) -> list[dict[str, Any]]:
         """Per worker: eager runs of the steering operation, its table's rows, vLLM's compile counters."""
         return self.collective_rpc("steering_stats")
 
     def shutdown(self) -> None:
-        """Stop the engine (idempotent); another can then be built in this process."""
-        shutdown_llm(self)
+        """Stop the engine (idempotent); another can then be built in this process. Later calls raise
+        `EngineShutDown`."""
+        shut_down_llm(self, type(self).__name__)
+        remove_socket_directory(self)
 
 
 class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
@@ -521,24 +758,62 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
     vLLM engine argument), or ``from_vllm_config`` with a config made from `steered_engine_args`.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with socket_directory(self):
+            super().__init__(*args, **kwargs)
+
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, *args: Any, **kwargs: Any) -> AsyncSteeredVLLM:
-        """vLLM's ``from_engine_args``, the steering worker and settings added to ``engine_args``."""
-        return super().from_engine_args(steered_engine_args(engine_args), *args, **kwargs)
+    def from_engine_args(
+        cls, engine_args: EngineArgs, *args: Any, capture_values: Any = None, **kwargs: Any
+    ) -> AsyncSteeredVLLM:
+        """vLLM's ``from_engine_args``, the steering worker and settings (the values requests may keep,
+        ``capture_values``, among them) added to ``engine_args``. Call `check_capture_values` once it runs."""
+        steered = steered_engine_args(engine_args, capture_values=capture_values)
+        return super().from_engine_args(steered, *args, **kwargs)
+
+    async def check_capture_values(self) -> None:
+        """Refuse values the engine was built to keep but whose family cannot (the engine is shut down)."""
+        (places, *_) = await self.collective_rpc("capture_places")
+        self._check_capture_places(places)
 
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, *, steering: Any = None, **kwargs: Any
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        steering: Any = None,
+        capture: Capture | None = None,
+        **kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """vLLM's ``AsyncLLM.generate``, the prompt steered by ``steering`` (``None``, a `Steering` or a list).
+        """vLLM's ``AsyncLLM.generate``, the prompt steered by ``steering`` (``None``, a `Steering` or a list) and
+        keeping what ``capture`` says: the last output carries ``activations`` (`attach_activations`).
 
         The specs are checked against the model and the rendered prompt before the request is added.
         """
+        refuse_after_shutdown(self, type(self).__name__)
         specs = specs_of(steering)
-        if specs:
+        wire = None
+        if specs or capture is not None:
             engine_input = await self._rendered(prompt, kwargs.get("tokenization_kwargs"))
-            prompt, sampling_params = self.steered_request(engine_input, sampling_params, specs)
-        async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
-            yield output
+            prompt, sampling_params, wire = self.steered_request(engine_input, sampling_params, specs, capture)
+        if wire is None:
+            async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
+                yield output
+            return
+        taken = False
+        try:
+            async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
+                if output.finished:
+                    taken = True
+                    attach_activations(output, wire, await self._take_captured([wire["key"]]))
+                yield output
+        finally:
+            if not taken:  # aborted or failed: the rows kept so far are let go
+                await self._take_captured([wire["key"]])
+
+    async def _take_captured(self, keys: Sequence[str]) -> dict[str, Any]:
+        return merged(await self.collective_rpc("take_captured", args=(list(keys), True)))
 
     async def _rendered(self, prompt: Any, tokenization_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         if isinstance(prompt, dict) and "type" in prompt:
@@ -554,6 +829,7 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
         if not getattr(self, "_shut_down", False):
             self._shut_down = True
             super().shutdown(timeout)
+            remove_socket_directory(self)
 
 
 __all__ = [

@@ -12,6 +12,7 @@ from .. import arguments, families, nnterp_options
 from ..families import default
 from ..standardized import Standardized, max_positions
 from . import saving
+from .tensor_parallel import as_distributed_config, check_heads_split, transformers_degree
 from .tracing import Tracer
 
 
@@ -28,6 +29,8 @@ class StandardizedTransformer(Standardized, TransformersModel):
             ``task="text-generation"`` (so nothing asks the hub for it). nnterp's options
             (``enable_attention_probs``, ``check_renaming``, ``rename_config``, ``tokenizer_kwargs``, ...)
             are taken with their meaning or refused with the reason (`nnterp_options.take`).
+            Tensor parallel (under ``torchrun``, one process per rank): ``tp_plan="auto"``, ``tp_size=N`` or
+            ``distributed_config=DistributedConfig(...)``; every value comes back whole on every rank.
 
     Example::
 
@@ -51,6 +54,11 @@ class StandardizedTransformer(Standardized, TransformersModel):
         from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
 
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
+        as_distributed_config(kwargs)
+        degree = transformers_degree(kwargs)
+        if degree > 1:
+            config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+            check_heads_split(config, degree, replicated_kv=False)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
         maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base)
         if not isinstance(checkpoint, torch.nn.Module):

@@ -24,6 +24,8 @@ from ..components.vllm import Flat, Hidden, flat, gathered
 from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
 from . import saving
+from .closed import refuse_after_shutdown
+from .tensor_parallel import check_heads_split
 from .tracing import OneAtATime
 from .vllm_platform import PlatformVLLM, blocks_to_run, shutdown
 
@@ -110,8 +112,10 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         rename: Extra ``{native_path: standard_name}`` aliases; they win over the family's.
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
-            On vLLM's CPU build the KV cache defaults to 64 MiB. Prefix caching is refused: it
-            would share KV state computed under one request's intervention with other requests.
+            On vLLM's CPU build the KV cache defaults to 64 MiB. ``tensor_parallel_size=N`` splits the model
+            over N ranks (refused where its heads do not split N ways); ``distributed_executor_backend="ray"``
+            runs them on Ray (``ray_address=`` or ``RAY_ADDRESS``, else a private cluster). Prefix caching is
+            refused: it would share KV state computed under one request's intervention with other requests.
             nnterp's options are taken with their meaning or refused with the reason (`nnterp_options.take`;
             ``enable_attention_probs=True`` is refused: vLLM never materializes the pattern).
 
@@ -157,6 +161,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
         maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys())
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
+        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        check_heads_split(config, self._tensor_parallel_size, replicated_kv=True)
         super().__init__(str(checkpoint), **maps, **kwargs)
         nnterp.apply(self)
         #: How many blocks each forward runs: all, unless built with ``additional_config={FIRST_BLOCKS: n}``
@@ -175,7 +181,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         """A trace, as on transformers: one forward pass over the prompt (one greedy token sampled) unless
-        sampling settings say otherwise."""
+        sampling settings say otherwise. Refused with `EngineShutDown` after `shutdown`."""
+        refuse_after_shutdown(self, "StandardizedVLLM")
         kwargs.setdefault("tracer_cls", VLLMTracer)
         return super().trace(*inputs, **_as_transformers(kwargs, tokens=1))
 
@@ -221,8 +228,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             raise_deferred(error)
 
     def shutdown(self) -> None:
-        """Stop the engine behind this model (idempotent); another can then be built in this process."""
+        """Stop the engine behind this model (idempotent); another can then be built in this process.
+
+        A trace or generation afterwards raises `EngineShutDown`."""
         shutdown(self)
+        self._shut_down = True
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape

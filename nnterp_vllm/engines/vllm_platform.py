@@ -39,6 +39,8 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,7 @@ __all__ = [
     "CPU_KV_CACHE_BYTES",
     "CPU_WORKER_CLS",
     "FIRST_BLOCKS",
+    "TAKEN",
     "PlatformVLLM",
     "accelerator_noop",
     "blocks_to_run",
@@ -184,8 +187,9 @@ def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[
 
     On vLLM's CPU platform, unless the caller sized the KV cache (``kv_cache_memory_bytes``, or
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment), this sizes it: for ``checkpoint``'s context
-    (`cpu_kv_cache`), or ``CPU_KV_CACHE_BYTES`` without one. Elsewhere the caller's kwargs come
-    back unchanged (a new dict).
+    (`cpu_kv_cache`), or ``CPU_KV_CACHE_BYTES`` without one; and it picks the executor that places
+    the ranks' threads and runs Ray ranks there (`cpu_executor`). Elsewhere the caller's kwargs come
+    back unchanged (a new dict), ``ray_address`` refused.
 
     ``worker_cls`` is deliberately not among them: nnsight passes its own ``worker_cls`` to
     ``vllm.LLM`` beside these kwargs, so a second one raises ``TypeError``. Build with
@@ -194,18 +198,59 @@ def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[
     """
     kwargs = dict(user_kwargs)
     if not is_cpu_platform():
+        if "ray_address" in kwargs:
+            raise ValueError(
+                "ray_address= is taken on vLLM's CPU build; on GPUs vLLM's own Ray executor joins the cluster "
+                "RAY_ADDRESS names"
+            )
         return kwargs
     if "worker_cls" in kwargs:
         raise TypeError(
             "worker_cls cannot be passed to nnsight's VLLM: it passes its own to vllm.LLM. "
             "Use PlatformVLLM, whose _WORKER_CLS is the CPU worker on this platform."
         )
+    kwargs.update(cpu_executor(kwargs))
     if "kv_cache_memory_bytes" in kwargs or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return kwargs
     if checkpoint is None:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         return kwargs
     return {**kwargs, **cpu_kv_cache(checkpoint, kwargs)}
+
+
+#: Keyword arguments `engine_kwargs` takes for itself: vLLM has no such engine argument.
+TAKEN = ("ray_address",)
+
+
+def cpu_executor(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The executor settings of a CPU engine built with ``kwargs`` (`cpu_executors`), taking ``ray_address``.
+
+    ``distributed_executor_backend="ray"`` becomes `CPURayExecutor` (joining ``ray_address``, else
+    ``RAY_ADDRESS``, else a private local cluster); no backend or ``"mp"`` becomes `CPUMultiprocExecutor`
+    wherever vLLM would start worker processes (several ranks, ``tensor_parallel_size`` x
+    ``pipeline_parallel_size``, or one rank of an engine in its own process, where vLLM's CPU build runs its
+    multiprocessing executor too): it splits this machine's CPUs among several ranks unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set, and leaves no file behind. ``ray_address`` is removed from ``kwargs``
+    (vLLM has no such argument) and, with another backend, refused.
+    """
+    backend = kwargs.get("distributed_executor_backend")
+    address = kwargs.pop("ray_address", None)
+    ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+    if address is not None and backend != "ray":
+        raise ValueError(f"ray_address={address!r} needs distributed_executor_backend='ray', got {backend!r}")
+    if backend == "ray":
+        from .cpu_executors import RAY_ADDRESS_KEY, CPURayExecutor
+
+        settings: dict[str, Any] = {"distributed_executor_backend": CPURayExecutor}
+        if address is not None:
+            settings["additional_config"] = {**(kwargs.get("additional_config") or {}), RAY_ADDRESS_KEY: address}
+        return settings
+    in_own_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
+    if backend in (None, "mp") and (ranks > 1 or in_own_process):
+        from .cpu_executors import CPUMultiprocExecutor
+
+        return {"distributed_executor_backend": CPUMultiprocExecutor}
+    return {}
 
 
 #: The CPU KV cache sizing: room for this many full-length sequences, within `CPU_KV_CACHE_CAP`
@@ -307,7 +352,7 @@ class PlatformVLLM(VLLM):
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Module:
-        with transformers_classes_kept():
+        with transformers_classes_kept(), socket_directory(self):
             return super()._load(repo_id, **kwargs)
 
 
@@ -339,6 +384,40 @@ def blocks_to_run(additional_config: Any, total: int) -> int:
     return total if not first else min(total, max(1, int(first)))
 
 
+#: vLLM's environment variable naming the directory of its IPC socket files (``/tmp`` by default).
+SOCKET_DIRECTORY = "VLLM_RPC_BASE_PATH"
+
+
+@contextlib.contextmanager
+def socket_directory(owner: Any) -> Iterator[None]:
+    """vLLM's IPC socket files of the engine built inside the block in a directory of ``owner``'s, which
+    `shutdown` removes (vLLM leaves them behind).
+
+    Sets ``VLLM_RPC_BASE_PATH`` while the engine is built (its processes inherit it as they start), then
+    removes it; where the caller set it, their directory is used and left to them.
+    """
+    if SOCKET_DIRECTORY in os.environ:
+        yield
+        return
+    owner._socket_directory = tempfile.mkdtemp(prefix="nnterp-vllm-")
+    os.environ[SOCKET_DIRECTORY] = owner._socket_directory
+    try:
+        yield
+    except BaseException:
+        remove_socket_directory(owner)
+        raise
+    finally:
+        os.environ.pop(SOCKET_DIRECTORY, None)
+
+
+def remove_socket_directory(owner: Any) -> None:
+    """Remove the directory `socket_directory` made for ``owner``'s engine (idempotent)."""
+    directory = getattr(owner, "_socket_directory", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+        owner._socket_directory = None
+
+
 def shutdown(model: Any) -> None:
     """Shut down the engine behind an nnsight vLLM model so another can be built in this process.
 
@@ -355,6 +434,7 @@ def shutdown(model: Any) -> None:
     else:
         shutdown_llm(entrypoint)
     model.vllm_entrypoint = None
+    remove_socket_directory(model)
 
 
 def shutdown_llm(llm: Any) -> None:
@@ -373,6 +453,7 @@ def _define_worker_classes() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
+    from .containment import keep_kv_cache_finite
     from .saving import mark_in_worker
 
     class StandardizedRequests(Requests):
@@ -383,12 +464,14 @@ def _define_worker_classes() -> None:
             super().record(mediator)
 
     class StandardizedRunner:
-        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`, and its
-        model runs only the first blocks where ``additional_config`` asks (`run_first_blocks`)."""
+        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`, its model runs
+        only the first blocks where ``additional_config`` asks (`run_first_blocks`), and its attention layers
+        cache only finite keys and values (`containment`)."""
 
         def load_model(self, *args: Any, **kwargs: Any) -> None:
             super().load_model(*args, **kwargs)  # type: ignore[misc]
             run_first_blocks(self.model, self.vllm_config)  # type: ignore[attr-defined]
+            keep_kv_cache_finite(self.model)  # type: ignore[attr-defined]
             self.nnsight_requests.__class__ = StandardizedRequests
 
     class NNsightCPUModelRunner(StandardizedRunner, NNsightGPUModelRunner, CPUModelRunner):

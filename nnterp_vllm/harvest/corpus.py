@@ -14,6 +14,7 @@ import itertools
 import json
 import numbers
 import os
+import stat
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -159,12 +160,23 @@ def _read_path(path: Path, settings: ContextSettings) -> Iterator[Document]:
         if not files:
             raise CorpusError(f"{path}: a directory with no *.txt files and no saved dataset")
         return _read_text_files(files)
+    if not path.is_file():
+        raise CorpusError(
+            f"{path}: a {_file_kind(path)}, not a regular file or a directory; a corpus is read twice (checked, then "
+            "harvested), so give a .txt or .jsonl file, or a directory"
+        )
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return _read_text_lines(path)
     if suffix == ".jsonl":
         return _read_jsonl(path, settings)
     raise CorpusError(f"{path}: unsupported file type {path.suffix!r}; expected a .txt or .jsonl file or a directory")
+
+
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = {stat.S_ISFIFO: "named pipe (FIFO)", stat.S_ISSOCK: "socket", stat.S_ISCHR: "character device"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "block device")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:

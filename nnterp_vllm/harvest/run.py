@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from . import in_engine, ranks
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
+from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import FORMATS, Columns
 from .reader import Harvest, load_harvest
 from .resume import Resume
@@ -35,6 +37,8 @@ from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed, c
 from .store import OVERWRITE, HarvestError, Store, positive_int, write_shard
 
 ENGINES = ("transformers", "vllm")
+#: The loaded models a harvest takes, by module and class.
+LOADED_MODELS = (("nnterp_vllm.standardized", "Standardized"), ("nnterp_vllm.engines.steered", "SteeredVLLM"))
 Positions = str | Callable[[list[int]], list[bool]]
 
 
@@ -83,7 +87,8 @@ def attention_of(model: Any) -> str:
 def build_settings(selectors: list[Selector], engine: str, model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The keyword arguments a harvest of ``selectors`` builds a checkpoint's model with, over the caller's:
     on transformers the attention `attention_for` picks; on vLLM a forward that stops after the deepest
-    block read (`blocks_needed`; the engine's ``FIRST_BLOCKS`` setting)."""
+    block read (`blocks_needed`; the engine's ``FIRST_BLOCKS`` setting) and, where the engine keeps every
+    selected value itself, the in-engine path's settings (`in_engine.engine_settings`)."""
     kwargs = dict(model_kwargs or {})
     if engine == "transformers":
         kwargs.setdefault("attn_implementation", attention_for(selectors))
@@ -93,7 +98,21 @@ def build_settings(selectors: list[Selector], engine: str, model_kwargs: dict[st
         from ..engines.vllm_platform import FIRST_BLOCKS
 
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), FIRST_BLOCKS: blocks}
-    return kwargs
+    return in_engine.engine_settings(selectors, kwargs) if in_engine.serves(selectors) else kwargs
+
+
+def vllm_path(model: Any) -> str | None:
+    """Which path a vLLM harvest by ``model`` reads its values on: ``"engine"`` (kept by the engine itself) or
+    ``"nnsight"``; ``None`` on transformers."""
+    if model.ENGINE != "vllm":
+        return None
+    return EngineHarvester.PATH if isinstance(model, EngineHarvester) else "nnsight"
+
+
+def model_dtype(model: Any) -> str:
+    """The dtype ``model`` computes in, by name (``"float32"``)."""
+    dtype = model.dtype if isinstance(model, EngineHarvester) else next(model._module.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def blocks_run(selectors: list[Selector], model: Any) -> int:
@@ -114,14 +133,21 @@ def blocks_run(selectors: list[Selector], model: Any) -> int:
 
 
 def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
-    """A standardized model: ``model`` itself, or built from a checkpoint on ``engine``."""
+    """The model a harvest reads: ``model`` itself (a `SteeredVLLM` made an `EngineHarvester`), or built from a
+    checkpoint on ``engine``: on vLLM, where ``model_kwargs`` name values the engine keeps (`build_settings`), an
+    engine keeping them (undispatched: nnsight's weightless tree, which names and sizes the same values)."""
     engine = _engine(engine)
     if not isinstance(model, (str, Path)):
-        return model
+        steered = sys.modules.get("nnterp_vllm.engines.steered")
+        return EngineHarvester(model) if steered and isinstance(model, steered.SteeredVLLM) else model
     kwargs = dict(model_kwargs or {})
     if engine == "vllm":
         from ..engines.vllm import StandardizedVLLM
 
+        if CAPTURE_VALUES in kwargs:
+            if dispatch:
+                return EngineHarvester(model, **kwargs)
+            del kwargs[CAPTURE_VALUES]
         return StandardizedVLLM(model, dispatch=dispatch, **kwargs)
     from ..engines.transformers import StandardizedTransformer
 
@@ -172,7 +198,14 @@ def _kept(row: Row, positions: Any) -> slice | torch.Tensor:
 def compute(model: Any, unit: Unit, job: Job) -> Columns:
     """The shard's columns: metadata and every selected value, one ``[kept tokens, ...]`` part per row, in
     corpus order (a layout writes the parts as they are)."""
-    per_row = _run_vllm(model, unit.rows, job) if model.ENGINE == "vllm" else _run_transformers(model, unit.rows, job)
+    kept_already = False
+    if isinstance(model, EngineHarvester):
+        per_row = model.values(unit.rows, job.selections, job.positions, job.dtype)
+        kept_already = job.positions == "last"  # the engine kept only those rows
+    elif model.ENGINE == "vllm":
+        per_row = _run_vllm(model, unit.rows, job)
+    else:
+        per_row = _run_transformers(model, unit.rows, job)
     dtype = getattr(torch, job.dtype)
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("token_ids", "documents", "offsets", "rows")}
     columns.update({selection.name: [] for selection in job.selections})
@@ -183,7 +216,7 @@ def compute(model: Any, unit: Unit, job: Job) -> Columns:
         columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
         columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
         for selection in job.selections:
-            value = values[selection.name][kept]
+            value = values[selection.name] if kept_already else values[selection.name][kept]
             # Expert indices stay integers; activations are stored in the harvest's dtype.
             columns[selection.name].append(value.to(dtype) if value.is_floating_point() else value)
     return columns
@@ -354,11 +387,12 @@ def _engine(engine: Any) -> str:
 
 def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **counts: Any) -> None:
     """Refuse arguments no harvest could run with, before anything is loaded or created."""
-    standardized = sys.modules.get("nnterp_vllm.standardized")  # a loaded model exists only if it is imported
-    if not isinstance(model, str | os.PathLike) and not (standardized and isinstance(model, standardized.Standardized)):
+    # A loaded model exists only if its module is imported.
+    kinds = [getattr(sys.modules.get(module), name, None) for module, name in LOADED_MODELS]
+    if not isinstance(model, str | os.PathLike) and not any(kind and isinstance(model, kind) for kind in kinds):
         raise TypeError(
-            "model must be a checkpoint directory or hub id, or a StandardizedTransformer / StandardizedVLLM, "
-            f"not a {type(model).__name__}"
+            "model must be a checkpoint directory or hub id, a StandardizedTransformer / StandardizedVLLM, or a "
+            f"SteeredVLLM built with capture_values; not a {type(model).__name__}"
         )
     if not isinstance(out, str | os.PathLike):
         raise TypeError(f"out must be a directory path, not {out!r}")
@@ -395,7 +429,7 @@ def _value_entries(selections: list[Selection], model: Any, context_length: int 
     entries: dict[str, dict[str, Any]] = {}
     columns: dict[str, str] = {}
     for selection in selections:
-        module = selection.module_path(model)
+        module = model.module_path(selection) if isinstance(model, EngineHarvester) else selection.module_path(model)
         entry = {"shape": token_shape(selection, model, context_length), "module": module}
         if format == "sae-lens":
             if module is None:
@@ -480,7 +514,10 @@ def harvest(
         overwrite: Replace a directory made with other settings instead of refusing.
         workers: Ray actors, each with its own model replica and a disjoint share of the shards.
         ray_address: An existing Ray cluster to run the workers on (a local one otherwise).
-        model_kwargs: For building the model from a checkpoint (``dtype``, ``device_map``, ...).
+        model_kwargs: For building the model from a checkpoint (``dtype``, ``device_map``, ...). On vLLM
+            ``tensor_parallel_size=T`` splits each replica over T ranks; on transformers ``tp_size=T`` (or
+            ``tp_plan="auto"``) splits the model over the T processes ``torchrun`` started, each running this
+            call: every rank runs every forward, rank 0 alone writes, and every rank returns the harvest.
         progress: Show a progress bar (the summary line is printed regardless).
     """
     selectors = check_selectors(values, context_length)
@@ -497,13 +534,23 @@ def harvest(
         raise ValueError("workers > 1 builds one model per Ray worker: pass a checkpoint path, not a loaded model")
     source = Corpus(corpus, settings)
     model_kwargs = build_settings(selectors, engine, model_kwargs) if isinstance(model, str | Path) else {}
+    sharded = ranks.sharded_transformers(model, engine, model_kwargs)
+    if sharded and distributed:
+        raise ValueError(
+            "a transformers harvest split by tensor parallelism runs its ranks under torchrun, not on Ray workers: "
+            "drop workers / ray_address, or harvest on vLLM"
+        )
+    if sharded and ranks.rank() != 0:
+        ranks.follow(load_model(model, engine, model_kwargs), compute)
+        return load_harvest(out)
     with Store(out, overwrite) as store, contextlib.ExitStack() as built:
         checkpoint = model
         model = load_model(model, engine, model_kwargs, dispatch=not distributed)
         if model is not checkpoint and model.ENGINE == "vllm":
             built.callback(model.shutdown)
+        leader = built.enter_context(ranks.lead(sharded))
         selections = parse(selectors, model, context_length)
-        dtype = dtype or str(next(model._module.parameters()).dtype).removeprefix("torch.")
+        dtype = dtype or model_dtype(model)
         if format == "sae-lens" and dtype not in ("float32", "float16"):
             raise ValueError(
                 f"format='sae-lens' stores 'float32' or 'float16' activations: the model's {dtype} "
@@ -520,6 +567,7 @@ def harvest(
                 "engine": model.ENGINE,
                 "attention": attention_of(model),
                 "blocks_run": blocks_run(selectors, model),
+                "vllm_path": "engine" if CAPTURE_VALUES in model_kwargs else vllm_path(model),
                 "dtype": dtype,
                 "format": format,
                 "values": entries,
@@ -562,6 +610,8 @@ def harvest(
         else:
             with BackgroundWriter(job, finished) as writer:
                 for unit in todo:
+                    if leader is not None:
+                        leader.send(unit, job)
                     writer.put(unit, compute(model, unit, job))
         store.finish(stats.as_dict(), documents.hexdigest())
         print(bar.summary(store.out))

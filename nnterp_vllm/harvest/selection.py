@@ -19,6 +19,7 @@ ROOT_AFTER_LAYERS = ("final_norm_output", "lm_head_output", "logits")
 #: Block values in the order a forward reaches them.
 BLOCK_ORDER = (
     "layer_input",
+    "self_attn.attention_input",
     "self_attn.attention_queries",
     "self_attn.attention_keys",
     "self_attn.attention_values",
@@ -30,6 +31,7 @@ BLOCK_ORDER = (
     "attention_output",
     "mixer.mixer_output",
     "mixer_output",
+    "mlp.mlp_input",
     "mlp.router_logits",
     "mlp.expert_indices",
     "mlp.expert_weights",
@@ -37,6 +39,8 @@ BLOCK_ORDER = (
     "mlp_output",
     "layer_output",
 )
+#: Block values a selector may name without their module: ``layers.3.attention_input``.
+SHORT_NAMES = {"attention_input": "self_attn.attention_input", "mlp_input": "mlp.mlp_input"}
 #: Values laid out ``[batch, heads, seq, ...]`` rather than ``[batch, seq, ...]``.
 HEADS_FIRST = {"attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities"}
 #: Values with a key axis as long as the row: padded to the context length on disk.
@@ -170,6 +174,8 @@ class Selector:
         if selector in ROOT_VALUES:
             return cls(selector, selector, root=True)
         parts = selector.split(".", 2)
+        if len(parts) == 3:
+            parts[2] = SHORT_NAMES.get(parts[2], parts[2])
         if parts[0] != "layers" or len(parts) < 3 or parts[2] not in BLOCK_ORDER:
             raise ValueError(f"unknown value {selector!r}; the values to harvest are: {KNOWN}")
         ranges = _layer_ranges(parts[1], selector)

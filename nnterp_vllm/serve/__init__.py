@@ -2,7 +2,8 @@
 
 ``nnterp-vllm serve MODEL [vLLM engine and server arguments] [--steering-vectors FILE] [--replicas N]``
 takes every argument ``vllm serve`` takes (vLLM's own parser) and serves what ``vllm serve`` serves,
-with the ``steering`` request field on ``/v1/completions`` and ``/v1/chat/completions`` and the vector
+with the ``steering`` request field on its generation routes (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/chat/completions/batch``, ``/v1/messages``, ``/v1/responses``, ``/invocations``) and the vector
 registry at ``/v1/steering/vectors`` (`server`). ``--replicas N`` runs N replicas behind one endpoint
 on Ray Serve (`replicas`). Importing this package loads no vLLM; `main` does.
 """
@@ -29,7 +30,8 @@ DRAIN_SECONDS = 30
 EMBEDDED_MODEL = "smollm2"
 
 DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
-/v1/completions and /v1/chat/completions may carry `steering`: a list of specs {"layers": int | [int],
+/v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
+may carry `steering`: a list of specs {"layers": int | [int],
 "vector": [float, ...] | "<registered name>", "factor": float, "positions": "all" | "prompt" | "generated"
 | [int, ...]}. Vectors are registered at /v1/steering/vectors (POST, GET, DELETE) or preloaded with
 --steering-vectors. MODEL is a checkpoint directory, a hub id, or 'smollm2' (the embedded default)."""
@@ -41,20 +43,61 @@ def parser() -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from ..engines.steered import ROWS_PER_REQUEST
+    from .fields import MAX_CAPTURE_BYTES
+    from .registry import CAPACITY
 
     root = FlexibleArgumentParser(prog="nnterp-vllm serve", description=DESCRIPTION)
     root = make_arg_parser(root)
     steering = root.add_argument_group("Steering")
     steering.add_argument(
         "--steering-vectors",
-        metavar="FILE",
-        help="a safetensors file of named [hidden_size] vectors, registered at start under their names",
+        metavar="SOURCE",
+        nargs="+",
+        help="vectors registered at start: a safetensors file of named [hidden_size] vectors (each under its "
+        "name), or [NAME=]FILE[#FEATURE], a vector made elsewhere (a repeng .gguf, a steering-vectors dict saved "
+        "with torch.save or as safetensors, a SAELens directory and its feature) registered per layer under NAME",
+    )
+    steering.add_argument(
+        "--capture-values",
+        metavar="SELECTOR",
+        nargs="+",
+        help="values requests may capture (the capture field), e.g. 'layers.*.layer_output'; each holds a buffer "
+        "of max_num_batched_tokens x hidden_size in the engine",
+    )
+    steering.add_argument(
+        "--max-capture-bytes",
+        type=int,
+        default=MAX_CAPTURE_BYTES,
+        help="bytes of kept rows one request may ask for (counting every token it may feed through the model); "
+        "more is answered 400",
     )
     steering.add_argument(
         "--steering-rows-per-request",
         type=int,
         default=ROWS_PER_REQUEST,
         help="distinct sets of specs one request may apply to its tokens (sizes the engine's steering table)",
+    )
+    steering.add_argument(
+        "--max-steering-specs",
+        type=int,
+        help="specs one request may carry (default: 4 per layer of the model)",
+    )
+    steering.add_argument(
+        "--max-steering-vectors",
+        type=int,
+        default=CAPACITY,
+        help="vectors the registry holds at most; a POST of a new name to a full registry is answered 409",
+    )
+    steering.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        help="request bodies larger than this are answered 413 before they are parsed (default: 4 MiB plus what "
+        "--max-steering-specs inline vectors take as JSON)",
+    )
+    steering.add_argument(
+        "--metrics-without-api-key",
+        action="store_true",
+        help="with --api-key: leave /metrics open (for a Prometheus scraper); /health and /ping always are",
     )
     steering.add_argument(
         "--replicas",
@@ -88,8 +131,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for flag, bad in refused.items():
         if bad:
             raise ValueError(f"{flag} is not served with steering: run one API server, and --replicas N to scale out")
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    bounds = {
+        "--replicas": args.replicas,
+        "--max-steering-specs": args.max_steering_specs,
+        "--max-steering-vectors": args.max_steering_vectors,
+        "--max-request-body-bytes": args.max_request_body_bytes,
+        "--max-capture-bytes": args.max_capture_bytes,
+    }
+    for flag, value in bounds.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     validate_parsed_serve_args(args)
     return args
 
@@ -101,7 +152,7 @@ def main(argv: Sequence[str]) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.usage.usage_lib import UsageContext
 
-    from .fields import read_vectors_file
+    from .fields import read_vector_sources
     from .registry import Registry, VectorRegistry
     from .server import engine_args, run_server
 
@@ -111,10 +162,11 @@ def main(argv: Sequence[str]) -> int:
     arguments = engine_args(args)
     vllm_config = arguments.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     hidden_size = vllm_config.model_config.get_hidden_size()
-    vectors = read_vectors_file(args.steering_vectors, hidden_size) if args.steering_vectors else {}
+    capacity = args.max_steering_vectors
+    vectors = read_vector_sources(args.steering_vectors or [], hidden_size, capacity)
     if args.replicas > 1:
         from .replicas import run_replicas
 
         return run_replicas(args, list(argv), vectors)
-    uvloop.run(run_server(args, Registry(VectorRegistry(vectors)), arguments, vllm_config))
+    uvloop.run(run_server(args, Registry(VectorRegistry(vectors, capacity)), arguments, vllm_config))
     return 0

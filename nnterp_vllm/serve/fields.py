@@ -1,65 +1,42 @@
-"""What a client sends: a request's ``steering`` field and registered vectors, read with errors that name the field.
+"""What a client sends: a request's ``steering`` and ``capture`` fields and registered vectors, read with errors that
+name the field.
 
 Every check is one of `nnterp_vllm.arguments`' (the ones `Steering` and ``steer`` run), called per field
 so a refusal names the field it is about (``param``, as in OpenAI's error format: ``steering[1].vector``).
-Nothing here needs vLLM: the model's sizes come in as numbers.
+A field is read in two steps: `read_steering` checks everything the model's sizes tell (it runs off the
+event loop, as the request arrives: `intake`); `with_vectors` then puts in the registered vectors the
+specs name. Nothing here needs vLLM: the model's sizes come in as numbers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import arguments
+from ..capture import Capture
 from ..steering import Steering
+from .errors import InvalidField, naming
+from .intake import decode_json, hand_over
+from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
 SPEC_FIELDS = ("layers", "vector", "factor", "positions")
 #: What a registered vector's name may be (it is also a URL path segment).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
+#: Specs one request may carry per block of the model, unless the server is told otherwise.
+SPECS_PER_LAYER = 4
 
 
-class InvalidField(ValueError):
-    """A client's bad input: the message says what was wrong and what would be right; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@contextlib.contextmanager
-def naming(param: str) -> Iterator[None]:
-    """Inside the block, a ``ValueError``/``TypeError`` from a check becomes an `InvalidField` naming ``param``."""
-    try:
-        yield
-    except InvalidField:
-        raise
-    except (ValueError, TypeError) as error:
-        raise InvalidField(str(error), param) from None
-
-
-def named_vectors(steering: Any) -> set[str]:
-    """The registered vector names a ``steering`` field refers to (the field itself is checked by `read_steering`)."""
-    if not isinstance(steering, list):
-        return set()
-    return {spec["vector"] for spec in steering if isinstance(spec, dict) and isinstance(spec.get("vector"), str)}
-
-
-def read_steering(
-    steering: Any, registered: Mapping[str, torch.Tensor], num_layers: int, hidden_size: int
-) -> list[Steering]:
-    """A request's ``steering`` field (``None``, or a list of spec objects) as `Steering` specs for this model.
-
-    ``registered`` holds at least the vectors the field names (`named_vectors`). Checks every field against
-    the model (layer range, vector width); positions are checked against each prompt by `check_positions`.
-    Raises `InvalidField`.
-    """
+def read_steering(steering: Any, num_layers: int, hidden_size: int, max_specs: int) -> list[dict[str, Any]]:
+    """A request's ``steering`` field (``None``, or a list of at most ``max_specs`` spec objects), checked
+    against the model's sizes: each spec as ``{"layers", "vector", "factor", "positions"}`` with its vector a
+    float32 tensor, or the registered name it gives (put in by `with_vectors`). Raises `InvalidField`."""
     if steering is None:
         return []
     if not isinstance(steering, list):
@@ -68,12 +45,20 @@ def read_steering(
             f"{type(steering).__name__}",
             "steering",
         )
-    return [_read_spec(spec, f"steering[{i}]", registered, num_layers, hidden_size) for i, spec in enumerate(steering)]
+    if len(steering) > max_specs:
+        raise InvalidField(
+            f"steering holds {len(steering)} specs; this server takes at most {max_specs} per request "
+            "(--max-steering-specs): add vectors meant for the same layers and positions into one spec",
+            "steering",
+        )
+    specs = []
+    for i, spec in enumerate(steering):
+        specs.append(_read_spec(spec, f"steering[{i}]", num_layers, hidden_size))
+        hand_over()  # a spec's numbers are checked one by one: the event loop's thread runs between specs
+    return specs
 
 
-def _read_spec(
-    spec: Any, where: str, registered: Mapping[str, torch.Tensor], num_layers: int, hidden_size: int
-) -> Steering:
+def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise InvalidField(
             f"{where}: a steering spec is an object with 'layers', 'vector' and optionally 'factor' and "
@@ -85,30 +70,67 @@ def _read_spec(
             raise InvalidField(
                 f"{where}: unknown field {name!r}; a spec has {', '.join(SPEC_FIELDS)}", f"{where}.{name}"
             )
-    for name in ("layers", "vector"):
-        if name not in spec:
-            raise InvalidField(f"{where}: the field {name!r} is required", f"{where}.{name}")
-    factor, positions = spec.get("factor", 1.0), spec.get("positions", "all")
-    with naming(f"{where}.layers"):
-        arguments.layer_indices(spec["layers"], num_layers, where)
+    if "vector" not in spec:
+        raise InvalidField(f"{where}: the field 'vector' is required", f"{where}.vector")
+    if "layers" not in spec and not isinstance(spec["vector"], str):
+        raise InvalidField(
+            f"{where}: the field 'layers' is required (only a registered vector made per layer, named, brings its own)",
+            f"{where}.layers",
+        )
+    read = {"factor": spec.get("factor", 1.0), "positions": spec.get("positions", "all"), "layers": None}
+    if "layers" in spec:
+        with naming(f"{where}.layers"):
+            arguments.layer_indices(spec["layers"], num_layers, where)
+            read["layers"] = spec["layers"]
     with naming(f"{where}.vector"):
-        vector = _spec_vector(spec["vector"], registered, hidden_size, where)
+        vector = spec["vector"]
+        read["vector"] = vector if isinstance(vector, str) else checked_vector(vector, hidden_size, where)
     with naming(f"{where}.factor"):
-        arguments.finite_number(factor, where)
+        arguments.finite_number(read["factor"], where)
     with naming(f"{where}.positions"):
-        arguments.phase_or_positions(positions, where)
-    return Steering(spec["layers"], vector, factor, positions)
+        arguments.phase_or_positions(read["positions"], where)
+    return read
 
 
-def _spec_vector(value: Any, registered: Mapping[str, torch.Tensor], hidden_size: int, where: str) -> torch.Tensor:
-    if isinstance(value, str):
-        if value not in registered:
-            raise ValueError(
-                f"{where}: no vector is registered as {value!r} (GET /v1/steering/vectors lists them, POST "
-                "registers one), or give the vector as a list of floats"
+def named_vectors(specs: Sequence[dict[str, Any]]) -> set[str]:
+    """The registered vector names `read_steering`'s specs refer to."""
+    return {spec["vector"] for spec in specs if isinstance(spec["vector"], str)}
+
+
+def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vector]) -> list[Steering]:
+    """`read_steering`'s specs as `Steering`, each named vector taken from ``registered`` (`InvalidField` if absent).
+
+    A vector registered per layer is applied at its own layers where the spec names none, else at the layers
+    it names (each of which it must carry)."""
+    steering = []
+    for i, spec in enumerate(specs):
+        vector, layers = spec["vector"], spec["layers"]
+        if isinstance(vector, str):
+            if vector not in registered:
+                raise InvalidField(
+                    f"steering[{i}]: no vector is registered as {vector!r} (GET /v1/steering/vectors lists them, "
+                    "POST registers one), or give the vector as a list of floats",
+                    f"steering[{i}].vector",
+                )
+            vector = registered[vector]
+        if not isinstance(vector, dict):
+            if layers is None:
+                raise InvalidField(
+                    f"steering[{i}]: {spec['vector']!r} is one vector, made for no layer: name the layers",
+                    f"steering[{i}].layers",
+                )
+            steering.append(Steering(layers, vector, spec["factor"], spec["positions"]))
+            continue
+        chosen = sorted(vector) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+        missing = sorted(set(chosen) - set(vector))
+        if missing:
+            raise InvalidField(
+                f"steering[{i}]: {spec['vector']!r} carries layers {sorted(vector)}, not {missing}; name some of "
+                "them, or none to apply it at all of its own",
+                f"steering[{i}].layers",
             )
-        return registered[value]
-    return checked_vector(value, hidden_size, where)
+        steering += [Steering(layer, vector[layer], spec["factor"], spec["positions"]) for layer in chosen]
+    return steering
 
 
 def checked_vector(value: Any, hidden_size: int, what: str) -> torch.Tensor:
@@ -136,21 +158,140 @@ def checked_name(name: Any) -> str:
     return name
 
 
-def read_vectors_file(path: str | Path, hidden_size: int) -> dict[str, torch.Tensor]:
-    """A safetensors file of named ``[hidden_size]`` vectors, checked; raises ``ValueError`` naming the bad entry."""
+def read_registration(body: bytes, hidden_size: int) -> tuple[str, Vector]:
+    """A ``POST /v1/steering/vectors`` body ``{"name", "vector"}``: the name and the float32 vector; a vector made
+    per layer is an object from layer numbers to vectors (``{"10": [...], "11": [...]}``).
+
+    Raises `InvalidField`. Meant to run off the event loop: it parses and checks every number.
+    """
+    try:
+        parsed = decode_json(body)
+    except ValueError as error:
+        raise InvalidField(f"the body is not JSON: {error}", None) from None
+    if not isinstance(parsed, dict):
+        raise InvalidField(f"the body is an object {{'name', 'vector'}}, got {type(parsed).__name__}", None)
+    for key in parsed:
+        if key not in ("name", "vector"):
+            raise InvalidField(f"unknown field {key!r}; a vector is registered with 'name' and 'vector'", key)
+    with naming("name"):
+        name = checked_name(parsed.get("name"))
+    vector = parsed.get("vector")
+    if isinstance(vector, dict):
+        return name, per_layer(vector, hidden_size)
+    with naming("vector"):
+        return name, checked_vector(vector, hidden_size, "vector").to(torch.float32)
+
+
+def per_layer(vectors: dict[str, Any], hidden_size: int) -> dict[int, torch.Tensor]:
+    """A registration's per-layer vectors (``{"<layer>": [floats]}``), each checked; raises `InvalidField`."""
+    if not vectors:
+        raise InvalidField("vector: a vector made per layer maps at least one layer to a vector", "vector")
+    checked = {}
+    for layer, vector in vectors.items():
+        where = f"vector.{layer}"
+        if not (isinstance(layer, str) and re.fullmatch(r"-?\d+", layer)):
+            raise InvalidField(f"{where}: a vector made per layer is keyed by layer numbers, got {layer!r}", where)
+        with naming(where):
+            checked[int(layer)] = checked_vector(vector, hidden_size, where).to(torch.float32)
+    return checked
+
+
+def read_vector_sources(sources: Sequence[str], hidden_size: int, capacity: int) -> dict[str, Vector]:
+    """``--steering-vectors``' entries, read and checked; raises ``ValueError`` naming the bad one.
+
+    An entry is a safetensors file of named ``[hidden_size]`` vectors (each registered under its name), or
+    ``[NAME=]SOURCE[#FEATURE]``: a vector made elsewhere as `Steering.load` reads it (a repeng ``.gguf``, a
+    steering-vectors dict saved with ``torch.save`` or as safetensors, a SAELens directory with the feature),
+    registered per layer under ``NAME`` (the file's name without its suffix by default).
+    """
+    from ..vectors import read_vectors
+
+    vectors: dict[str, Vector] = {}
+    for entry in sources:
+        name, _, source = entry.rpartition("=") if "=" in entry else ("", "", entry)
+        source, _, feature = source.partition("#")
+        try:
+            named = _named_vectors_file(source)
+            if named is None:
+                read = read_vectors(source, int(feature) if feature else None)
+                named = {checked_name(name or Path(source).stem): read}
+            elif name or feature:
+                raise ValueError(
+                    f"{source} holds named vectors, registered under their own names: drop NAME= / #FEATURE"
+                )
+            for key, vector in named.items():
+                for one in vector.values() if isinstance(vector, dict) else [vector]:
+                    arguments.hidden_vector(one, hidden_size, f"vector {key!r}", rows=False)
+                if key in vectors:
+                    raise ValueError(f"two entries register {key!r}")
+                vectors[key] = vector
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"--steering-vectors {entry}: {error}") from None
+    if len(vectors) > capacity:
+        raise ValueError(
+            f"--steering-vectors: {len(vectors)} vectors, more than the registry holds "
+            f"(--max-steering-vectors {capacity}); raise --max-steering-vectors or register fewer"
+        )
+    return vectors
+
+
+def _named_vectors_file(source: str) -> dict[str, torch.Tensor] | None:
+    """A safetensors file of named vectors (none named ``layer_activations.<layer>``, which is steering-vectors'
+    format), float32, each name checked; ``None`` for any other source."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if not Path(source).is_file():
+        return None
     try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as error:
-        raise ValueError(f"--steering-vectors {path}: cannot read it as a safetensors file ({error})") from None
-    vectors = {}
-    for name, tensor in tensors.items():
-        try:
-            checked_name(name)
-            arguments.hidden_vector(tensor, hidden_size, f"vector {name!r}", rows=False)
-        except ValueError as error:
-            raise ValueError(f"--steering-vectors {path}: {error}") from None
-        vectors[name] = tensor.to(torch.float32)
-    return vectors
+        tensors = load_file(source)
+    except (OSError, SafetensorError):
+        return None
+    if any(re.fullmatch(r"layer_activations\.-?\d+", name) for name in tensors):
+        return None
+    for name in tensors:
+        checked_name(name)
+    return {name: tensor.to(torch.float32) for name, tensor in tensors.items()}
+
+
+def read_capture(capture: Any, num_layers: int, kept: Sequence[str]) -> Capture | None:
+    """A request's ``capture`` field (``None``, or ``{"values", "positions", "dtype"}`` as `Capture` takes them),
+    checked against the values the engine keeps; raises `InvalidField` naming the field."""
+    if capture is None:
+        return None
+    if not kept:
+        raise InvalidField(
+            "capture: this server keeps no values; start it with --capture-values naming those requests may capture",
+            "capture",
+        )
+    if not isinstance(capture, dict):
+        raise InvalidField(
+            f"capture is an object {{'values', 'positions', 'dtype'}}, got {type(capture).__name__}", "capture"
+        )
+    for key in capture:
+        if key not in CAPTURE_FIELDS:
+            raise InvalidField(
+                f"capture: unknown field {key!r}; a capture has {', '.join(CAPTURE_FIELDS)}", f"capture.{key}"
+            )
+    if "values" not in capture:
+        raise InvalidField("capture: the field 'values' is required", "capture.values")
+    with naming("capture.values"):
+        spec = Capture(capture["values"])
+        names = spec.names(num_layers)
+    missing = [name for name in names if name not in kept]
+    if missing:
+        raise InvalidField(
+            f"capture: this server keeps no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; it keeps "
+            f"{', '.join(kept)} (--capture-values)",
+            "capture.values",
+        )
+    with naming("capture.positions"):
+        spec = Capture(spec.values, capture.get("positions", "all"))
+    with naming("capture.dtype"):
+        return Capture(spec.values, spec.positions, capture.get("dtype"))
+
+
+#: The fields of a request's ``capture``.
+CAPTURE_FIELDS = ("values", "positions", "dtype")
+#: Bytes of kept rows one request may ask for unless the server is told otherwise (--max-capture-bytes).
+MAX_CAPTURE_BYTES = 8 * 2**20

@@ -12,30 +12,59 @@ from typing import Any
 
 import torch
 
+#: Vectors a registry holds at most unless the server is told otherwise (--max-steering-vectors).
+CAPACITY = 1024
+#: A registered vector: one ``[hidden_size]`` tensor, or one per layer (a vector made for several layers,
+#: applied at its own layers when a spec names no layers).
+Vector = torch.Tensor | dict[int, torch.Tensor]
+
+
+def same(one: Vector, other: Vector) -> bool:
+    """Whether two registered vectors are the same."""
+    if isinstance(one, dict) or isinstance(other, dict):
+        return (
+            isinstance(one, dict)
+            and isinstance(other, dict)
+            and one.keys() == other.keys()
+            and all(torch.equal(one[layer], other[layer]) for layer in one)
+        )
+    return torch.equal(one, other)
+
 
 class VectorRegistry:
-    """Named float32 vectors of one model's width (checked by the caller); names map to one vector each."""
+    """At most ``capacity`` named float32 vectors of one model's width (checked by the caller), each one vector or
+    one per layer."""
 
-    def __init__(self, vectors: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, vectors: dict[str, Vector] | None = None, capacity: int = CAPACITY) -> None:
         self._vectors = dict(vectors or {})
+        self._capacity = capacity
 
-    def add(self, name: str, vector: torch.Tensor) -> str:
-        """Register ``vector`` as ``name``: ``"created"``, ``"exists"`` (the same vector) or ``"conflict"``."""
+    def add(self, name: str, vector: Vector) -> str:
+        """Register ``vector`` as ``name``: ``"created"``, ``"exists"`` (the same vector), ``"conflict"`` (another
+        vector) or ``"full"`` (a new name, and the registry holds ``capacity`` vectors)."""
         held = self._vectors.get(name)
         if held is None:
+            if len(self._vectors) >= self._capacity:
+                return "full"
             self._vectors[name] = vector
             return "created"
-        return "exists" if torch.equal(held, vector) else "conflict"
+        return "exists" if same(held, vector) else "conflict"
 
     def remove(self, name: str) -> bool:
         """Forget ``name``; whether it was registered. Requests already admitted keep their vector."""
         return self._vectors.pop(name, None) is not None
 
-    def sizes(self) -> dict[str, int]:
-        """Each registered name and its vector's length, by name."""
-        return {name: int(vector.numel()) for name, vector in sorted(self._vectors.items())}
+    def listing(self) -> list[dict[str, Any]]:
+        """Each registered vector by name: ``{"name", "size"}``, and ``"layers"`` for one made per layer."""
+        listed = []
+        for name, vector in sorted(self._vectors.items()):
+            one = next(iter(vector.values())) if isinstance(vector, dict) else vector
+            listed.append({"name": name, "size": int(one.numel())})
+            if isinstance(vector, dict):
+                listed[-1]["layers"] = sorted(vector)
+        return listed
 
-    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    def get(self, names: Iterable[str]) -> dict[str, Vector]:
         """The vectors registered under ``names`` (names not registered are left out)."""
         return {name: self._vectors[name] for name in names if name in self._vectors}
 

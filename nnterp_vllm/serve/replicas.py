@@ -5,8 +5,8 @@ Each replica is a Ray Serve deployment replica holding its own steered engine an
 spreads requests over the replicas. The vector registry is one more deployment (one replica, no CPU
 reserved) that every replica asks, so a vector registered through any replica steers on all of them.
 The process that runs this is the driver: it starts a local Ray cluster unless ``--ray-address`` names
-one, and on SIGTERM or SIGINT shuts Serve down (replicas drain their requests, then stop their engines)
-and then Ray.
+one (`ray_cluster.connected`: loopback, no token under the home directory, nothing left behind), and on
+SIGTERM or SIGINT shuts Serve down (replicas drain their requests, then stop their engines) and then Ray.
 """
 
 from __future__ import annotations
@@ -49,18 +49,24 @@ class SteeringReplica:
 
 def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor]) -> int:
     """Serve ``args.replicas`` replicas of ``argv``'s server at ``args.host:args.port`` until SIGTERM/SIGINT."""
-    import ray
-    from ray import serve
-
-    from ..engines.vllm_platform import is_cpu_platform
+    from ..ray_cluster import connected
 
     def interrupt(*_: Any) -> None:
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGINT, interrupt)
     setup = {"worker_process_setup_hook": f"{__package__}.prepare_ray_worker"}
-    ray.init(address=args.ray_address, include_dashboard=False, runtime_env=setup)
-    signal.signal(signal.SIGTERM, interrupt)  # ray.init installs its own (exit at once, status 15)
+    with connected(args.ray_address, include_dashboard=False, runtime_env=setup):
+        signal.signal(signal.SIGTERM, interrupt)  # ray.init installs its own (exit at once, status 15)
+        _serve(args, argv, vectors)
+    return 0
+
+
+def _serve(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor]) -> None:
+    from ray import serve
+
+    from ..engines.vllm_platform import is_cpu_platform
+
     try:
         serve.start(http_options={"host": args.host or "0.0.0.0", "port": args.port})
         registry = serve.deployment(VectorRegistry, name="SteeringVectors", ray_actor_options={"num_cpus": 0})
@@ -75,7 +81,9 @@ def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, t
             max_ongoing_requests=MAX_ONGOING_REQUESTS,
             ray_actor_options=resources,
         )
-        serve.run(replica.bind(argv, registry.bind(vectors)), name=APP_NAME, route_prefix="/")
+        serve.run(
+            replica.bind(argv, registry.bind(vectors, args.max_steering_vectors)), name=APP_NAME, route_prefix="/"
+        )
         print(f"nnterp-vllm serve: {args.replicas} replicas on http://{args.host or '0.0.0.0'}:{args.port}", flush=True)
         while True:
             signal.pause()
@@ -85,5 +93,3 @@ def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, t
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the shutdown short
             signal.signal(signum, signal.SIG_IGN)
         serve.shutdown()
-        ray.shutdown()
-    return 0

@@ -1,26 +1,33 @@
 """vLLM's OpenAI-compatible server with per-request steering: the engine, the handlers and the extra routes.
 
 The HTTP layer, protocol, argument parser, chat templates, streaming, errors and lifecycle are vLLM's
-own (``vllm.entrypoints``); this module adds three things, in the shape of a vLLM endpoint plugin
-(`SteeringEndpoints`, ``vllm.plugins.endpoint_plugins``' contract: routes at app build, state at
-``init_app_state``):
+own (``vllm.entrypoints``); this module adds, in the shape of a vLLM endpoint plugin (`SteeringEndpoints`,
+``vllm.plugins.endpoint_plugins``' contract: routes at app build, state at ``init_app_state``):
 
 - the engine is `AsyncSteeredVLLM` (`SteeringEngineClient`), steering inside vLLM's compiled model;
-- vLLM's completion and chat handlers read a request's ``steering`` field right after vLLM rendered its
-  prompts, check it against the model and every rendered prompt, and answer a bad one with HTTP 400 in
-  OpenAI's error format before anything reaches the engine. Good specs ride the request's
-  ``vllm_xargs`` into ``SamplingParams.extra_args``, where `SteeringEngineClient` takes them out and
-  hands them to the steered engine (which adds the cache salt and the engine form);
-- ``/v1/steering/vectors`` (POST, GET, DELETE): the `VectorRegistry` that specs name vectors from.
+- in front of vLLM's app, `GuardEveryRoute` (``--api-key`` on every route but the health probes) and
+  `intake.RequestIntake`, which bounds request bodies and reads a request's ``steering`` field off the
+  event loop (on the routes of `STEERING_ROUTES`; refused elsewhere);
+- vLLM's handlers of those routes check the read specs against the model and every prompt they rendered,
+  and answer a bad one with HTTP 400 in OpenAI's error format before anything reaches the engine. Good
+  specs stay with the request (`intake.check`), where `SteeringEngineClient` hands them to the steered
+  engine (which adds the cache salt and the engine form);
+- ``/v1/steering/vectors`` (POST, GET, DELETE): the `VectorRegistry` that specs name vectors from;
+- a ``capture`` field (`Capture` as JSON) on the routes of `CAPTURE_ROUTES`, checked as ``steering`` is (and
+  bounded by ``--max-capture-bytes``); the rows the engine kept come back in each choice's ``activations``:
+  ``{name: {"shape", "dtype", "data": base64 of the raw little-endian bytes}}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import contextlib
-import json
+import functools
+import re
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -29,92 +36,168 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.usage.usage_lib import UsageContext
 
+from ..capture import Capture, kept_count
+from ..engines.compile_cache import start_recompiling_once
 from ..engines.steered import AsyncSteeredVLLM, steered_engine_args
-from ..steering import EXTRA_ARGS_KEY, Steering
-from .fields import InvalidField, check_positions, checked_name, checked_vector, named_vectors, naming, read_steering
+from ..steering import Steering
+from .errors import InvalidField, error_json, error_response, naming, refusal
+from .fields import (
+    SPECS_PER_LAYER,
+    check_positions,
+    named_vectors,
+    read_capture,
+    read_registration,
+    read_steering,
+    with_vectors,
+)
+from .guard import GuardEveryRoute, api_keys
+from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, record, taken
 from .registry import Registry
 
-#: ``SamplingParams.extra_args`` key of a request's checked `Steering` specs, between handler and engine client.
-SPECS_KEY = f"{EXTRA_ARGS_KEY}_specs"
-#: ``vllm_xargs`` keys a client may not send: they would reach the engine unchecked.
-RESERVED_PREFIX = "nnterp_vllm"
+STEERING = "steering"
+#: The routes that serve ``steering``, each applying it as ``/v1/completions`` does (elsewhere it is refused).
+STEERING_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/messages",
+    "/v1/responses",
+    "/invocations",
+)
+CAPTURE = "capture"
+#: The routes that serve ``capture`` (answered whole, each choice with its ``activations``; elsewhere refused).
+CAPTURE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 VECTORS_PATH = "/v1/steering/vectors"
-
-
-def error_response(message: str, param: str | None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> ErrorResponse:
-    """An error in OpenAI's format: ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``."""
-    return ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error", param=param, code=status.value))
-
-
-def error_json(message: str, param: str | None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:
-    """`error_response` as an HTTP response."""
-    return JSONResponse(error_response(message, param, status).model_dump(), status_code=status.value)
+#: Bytes one number of a steering vector takes at most as JSON text (``-1.2345678901234567e-05, ``).
+BYTES_PER_NUMBER = 25
 
 
 class SteeringEngineClient(AsyncSteeredVLLM):
-    """`AsyncSteeredVLLM` as vLLM's handlers call it: a request's checked specs arrive in its sampling params."""
+    """`AsyncSteeredVLLM` as vLLM's handlers call it: a request's checked specs and capture come with the request,
+    and the rows it kept are recorded for its response."""
 
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, *, steering: Any = None, **kwargs: Any
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        steering: Any = None,
+        capture: Capture | None = None,
+        **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
-        """`AsyncSteeredVLLM.generate`, steered by the specs a handler left under `SPECS_KEY` (if any)."""
-        extra = sampling_params.extra_args or {}
-        if SPECS_KEY in extra:
-            steering = extra[SPECS_KEY]
-            # The params are this prompt's own (vLLM builds them per prompt); the dict may be the request's.
-            sampling_params.extra_args = {key: value for key, value in extra.items() if key != SPECS_KEY} or None
-        async for output in super().generate(prompt, sampling_params, request_id, steering=steering, **kwargs):
+        """`AsyncSteeredVLLM.generate`, steered by the specs and keeping what the request's handler checked."""
+        if steering is None:
+            steering = checked(STEERING)
+        if capture is None:
+            capture = checked(CAPTURE)
+        outputs = super().generate(prompt, sampling_params, request_id, steering=steering, capture=capture, **kwargs)
+        async for output in outputs:
+            if output.finished and getattr(output, "activations", None) is not None:
+                record(CAPTURE, request_id, await asyncio.to_thread(encoded, output.activations))
             yield output
 
 
+def encoded(activations: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Kept rows as JSON: per value ``{"shape", "dtype", "data": base64 of the raw little-endian bytes}``."""
+    return {
+        name: {
+            "shape": list(rows.shape),
+            "dtype": str(rows.dtype).removeprefix("torch."),
+            "data": base64.b64encode(rows.contiguous().view(torch.uint8).numpy().tobytes()).decode(),
+        }
+        for name, rows in activations.items()
+    }
+
+
+def with_activations(body: dict[str, Any], recorded: dict[str, Any]) -> None:
+    """Put each request's kept rows into its choice of a response ``body`` (a prompt ``i`` of a request runs as
+    engine request ``<id>-<i>``)."""
+    choices = body.get("choices") or []
+    for request_id, activations in recorded.items():
+        index = int(match.group(1)) if len(recorded) > 1 and (match := re.search(r"-(\d+)$", request_id)) else 0
+        for choice in choices:
+            if choice.get("index", 0) == index:
+                choice["activations"] = activations
+
+
 class SteeringHandler:
-    """Mixed in front of a vLLM completion or chat handler: reads and checks a request's ``steering``."""
+    """Mixed in front of a vLLM handler: checks a request's ``steering`` against the prompts it rendered."""
 
     engine_client: SteeringEngineClient
     steering_registry: Registry
+    max_capture_bytes: int
 
-    async def steered(self, request: Any, rendered: Any, engine_inputs: list[dict]) -> Any:
+    async def steered(self, request: Any, rendered: Any, engine_inputs: Sequence[dict]) -> Any:
         """``rendered`` (what vLLM's render step returned), or an `ErrorResponse` if the steering is bad.
 
-        Good specs are left in ``request.vllm_xargs`` for `SteeringEngineClient`.
+        Good specs are recorded for the request (`intake.check`), for `SteeringEngineClient`.
         """
         if isinstance(rendered, ErrorResponse):
             return rendered
         try:
             specs = await self._checked_specs(request, engine_inputs)
+            capture = taken(CAPTURE)
+            if capture is not None:
+                await asyncio.to_thread(self._check_capture, request, capture, engine_inputs)
         except InvalidField as error:
-            return error_response(str(error), error.param)
+            return error_response(str(error), error.param, error.status)
         if specs:
-            request.vllm_xargs = {**(request.vllm_xargs or {}), SPECS_KEY: specs}
+            check(STEERING, specs)
+        if capture is not None:
+            check(CAPTURE, capture)
         return rendered
 
-    async def _checked_specs(self, request: Any, engine_inputs: list[dict]) -> list[Steering]:
-        reserved = [key for key in request.vllm_xargs or {} if key.startswith(RESERVED_PREFIX)]
-        if reserved:
-            raise InvalidField(
-                f"vllm_xargs: {reserved[0]!r} is reserved for the server; send steering instead", "vllm_xargs"
-            )
-        field = (request.model_extra or {}).get("steering")
-        if field is None or field == []:
-            return []
-        if request.use_beam_search:
-            raise InvalidField("steering is not served with beam search (use_beam_search)", "use_beam_search")
+    def _check_capture(self, request: Any, capture: Capture, engine_inputs: Sequence[dict]) -> None:
+        """Refuse a capture the response cannot carry: streamed, several completions, or more bytes of rows than
+        ``--max-capture-bytes`` (counting every token the request may feed through the model)."""
+        if getattr(request, "stream", False):
+            raise InvalidField("capture is not served on streamed responses: send stream=false", "stream")
+        if (getattr(request, "n", 1) or 1) != 1:
+            raise InvalidField(f"capture keeps one completion's rows: send n=1, not n={request.n}", "n")
         engine = self.engine_client
-        registered = await self.steering_registry.call("get", sorted(named_vectors(field)))
-        specs = read_steering(field, registered, engine.num_layers, engine.hidden_size)
+        context = engine.model_config.max_model_len
+        wanted = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+        total = 0
+        for i, engine_input in enumerate(engine_inputs):
+            length = len(engine_input["prompt_token_ids"])
+            with naming("capture.positions"):
+                wire = capture.resolved(engine.num_layers, engine.capture_values, length, engine.model_config.dtype)
+            fed = length + (wanted or context - length) - 1
+            itemsize = torch.empty((), dtype=getattr(torch, wire["dtype"])).element_size()
+            total += kept_count(wire, fed) * len(wire["values"]) * engine.hidden_size * itemsize
+            if total > self.max_capture_bytes:
+                raise InvalidField(
+                    f"capture: prompt {i} alone brings the rows this request may keep to {total} bytes, more than "
+                    f"this server answers with ({self.max_capture_bytes} bytes, --max-capture-bytes): keep fewer "
+                    "values or positions, lower max_tokens, or use float16",
+                    CAPTURE,
+                )
+
+    async def _checked_specs(self, request: Any, engine_inputs: Sequence[dict]) -> list[Steering]:
+        read = taken(STEERING)
+        if not read:
+            return []
+        if getattr(request, "use_beam_search", False):
+            raise InvalidField("steering is not served with beam search (use_beam_search)", "use_beam_search")
+        registered = await self.steering_registry.call("get", sorted(named_vectors(read)))
+        specs = with_vectors(read, registered)
+        await asyncio.to_thread(self._check_prompts, specs, engine_inputs)
+        return specs
+
+    def _check_prompts(self, specs: list[Steering], engine_inputs: Sequence[dict]) -> None:
         for i, engine_input in enumerate(engine_inputs):
             prompt = f"prompt {i}" if len(engine_inputs) > 1 else "the prompt"
             check_positions(specs, len(engine_input["prompt_token_ids"]), prompt)
-            with naming("steering"):  # what only the whole request shows (e.g. rows of the steering table)
-                engine.steered_request(engine_input, SamplingParams(), specs)
-        return specs
+            with naming(STEERING):  # what only the whole request shows (the dtype's bound, the table's rows)
+                self.engine_client.steered_request(engine_input, SamplingParams(), specs)
 
 
 class SteeringCompletions(SteeringHandler):
-    """vLLM's ``OpenAIServingCompletion`` reading ``steering``."""
+    """vLLM's ``OpenAIServingCompletion`` (``/v1/completions``, ``/invocations``) reading ``steering``."""
 
     async def render_completion_request(self, request: Any) -> Any:
         rendered = await super().render_completion_request(request)
@@ -122,15 +205,39 @@ class SteeringCompletions(SteeringHandler):
 
 
 class SteeringChat(SteeringHandler):
-    """vLLM's ``OpenAIServingChat`` reading ``steering``."""
+    """vLLM's ``OpenAIServingChat`` (``/v1/chat/completions``, ``/invocations``) and its Anthropic subclass
+    (``/v1/messages``) reading ``steering``."""
 
     async def render_chat_request(self, request: Any) -> Any:
         rendered = await super().render_chat_request(request)
         return await self.steered(request, rendered, [] if isinstance(rendered, ErrorResponse) else rendered[1])
 
 
+class SteeringChatBatch(SteeringHandler):
+    """vLLM's ``OpenAIServingChatBatch`` (``/v1/chat/completions/batch``): every conversation steered alike."""
+
+    async def render_batch_chat_request(self, request: Any) -> Any:
+        rendered = await super().render_batch_chat_request(request)
+        return await self.steered(request, rendered, [] if isinstance(rendered, ErrorResponse) else rendered[2])
+
+
+class SteeringResponses(SteeringHandler):
+    """vLLM's ``OpenAIServingResponses`` (``/v1/responses``): every turn of the response steered alike."""
+
+    async def _render_resolved_response_inputs(self, request: Any, prev_response: Any, **kwargs: Any) -> Any:
+        rendered = await super()._render_resolved_response_inputs(request, prev_response, **kwargs)
+        inputs = [] if isinstance(rendered, ErrorResponse) else [rendered.engine_input]
+        return await self.steered(request, rendered, inputs)
+
+
 #: vLLM's app-state attribute of each handler that reads ``steering``, with its mixin.
-HANDLERS = {"openai_serving_completion": SteeringCompletions, "openai_serving_chat": SteeringChat}
+HANDLERS = {
+    "openai_serving_completion": SteeringCompletions,
+    "openai_serving_chat": SteeringChat,
+    "anthropic_serving_messages": SteeringChat,
+    "openai_serving_chat_batch": SteeringChatBatch,
+    "openai_serving_responses": SteeringResponses,
+}
 
 router = APIRouter()
 
@@ -141,28 +248,25 @@ def _steering(request: Request) -> tuple[Registry, int]:
 
 @router.post(VECTORS_PATH, status_code=HTTPStatus.CREATED.value)
 async def register_vector(raw_request: Request) -> JSONResponse:
-    """Register ``{"name", "vector"}``: 201; 200 if that name holds the same vector; 409 if another."""
+    """Register ``{"name", "vector"}``: 201; 200 if that name holds the same vector; 409 if another, or if the
+    registry is full."""
     registry, hidden_size = _steering(raw_request)
     try:
-        body = await raw_request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return error_json(f"the body is not JSON: {error}", None)
-    if not isinstance(body, dict):
-        return error_json(f"the body is an object {{'name', 'vector'}}, got {type(body).__name__}", None)
-    try:
-        for key in body:
-            if key not in ("name", "vector"):
-                raise InvalidField(f"unknown field {key!r}; a vector is registered with 'name' and 'vector'", key)
-        with naming("name"):
-            name = checked_name(body.get("name"))
-        with naming("vector"):
-            vector = checked_vector(body.get("vector"), hidden_size, "vector").to(torch.float32)
+        name, vector = await asyncio.to_thread(read_registration, await raw_request.body(), hidden_size)
     except InvalidField as error:
-        return error_json(str(error), error.param)
+        return refusal(error)
     outcome = await registry.call("add", name, vector)
     if outcome == "conflict":
         return error_json(
             f"another vector is registered as {name!r}; DELETE {VECTORS_PATH}/{name} first, or choose another name",
+            "name",
+            HTTPStatus.CONFLICT,
+        )
+    if outcome == "full":
+        capacity = raw_request.app.state.args.max_steering_vectors
+        return error_json(
+            f"the registry is full: it holds at most {capacity} vectors (--max-steering-vectors); DELETE "
+            f"{VECTORS_PATH}/NAME one no longer needed, or send the vector inline",
             "name",
             HTTPStatus.CONFLICT,
         )
@@ -174,8 +278,7 @@ async def register_vector(raw_request: Request) -> JSONResponse:
 async def list_vectors(raw_request: Request) -> JSONResponse:
     """The registered vectors: ``{"object": "list", "data": [{"name", "size"}, ...]}``."""
     registry, _ = _steering(raw_request)
-    sizes = await registry.call("sizes")
-    data = [{"object": "steering.vector", "name": name, "size": size} for name, size in sizes.items()]
+    data = [{"object": "steering.vector", **entry} for entry in await registry.call("listing")]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -188,8 +291,20 @@ async def delete_vector(name: str, raw_request: Request) -> JSONResponse:
     return JSONResponse({"object": "steering.vector.deleted", "name": name, "deleted": True})
 
 
+def steering_specs_bound(args: argparse.Namespace, num_layers: int) -> int:
+    """Specs one request may carry: ``--max-steering-specs``, else `SPECS_PER_LAYER` per block of the model."""
+    return args.max_steering_specs or SPECS_PER_LAYER * num_layers
+
+
+def body_bound(args: argparse.Namespace, max_specs: int, hidden_size: int) -> int:
+    """Bytes of a request body the server reads: ``--max-request-body-bytes``, else `MAX_BODY_BYTES` plus
+    what the most specs a request may carry take as JSON."""
+    return args.max_request_body_bytes or MAX_BODY_BYTES + max_specs * hidden_size * BYTES_PER_NUMBER
+
+
 class SteeringEndpoints:
-    """The server's additions, as a vLLM endpoint plugin: the vector routes, steering on two handlers."""
+    """The server's additions, as a vLLM endpoint plugin: the vector routes, steering on the generation
+    handlers, and the guards in front of vLLM's app."""
 
     name = "nnterp_vllm_steering"
     required_tasks = ("generate",)
@@ -201,8 +316,27 @@ class SteeringEndpoints:
         """Add the ``/v1/steering/vectors`` routes."""
         app.include_router(router)
 
+    def attach_guards(self, app: FastAPI, engine: SteeringEngineClient, args: argparse.Namespace) -> None:
+        """Put `RequestIntake` (body bound, ``steering`` read off the event loop) and, with ``--api-key``,
+        `GuardEveryRoute` in front of everything vLLM's app does (the guard outermost)."""
+        max_specs = steering_specs_bound(args, engine.num_layers)
+        read = functools.partial(
+            read_steering, num_layers=engine.num_layers, hidden_size=engine.hidden_size, max_specs=max_specs
+        )
+        capture = functools.partial(read_capture, num_layers=engine.num_layers, kept=engine.capture_values)
+        fields = [
+            RequestField(STEERING, STEERING_ROUTES, read),
+            RequestField(CAPTURE, CAPTURE_ROUTES, capture, with_activations),
+        ]
+        # In front of the app's whole stack (vLLM's SageMaker bootstrap has built it already).
+        stack = app.middleware_stack or app.build_middleware_stack()
+        stack = RequestIntake(stack, fields, body_bound(args, max_specs, engine.hidden_size))
+        if keys := api_keys(args):
+            stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)
+        app.middleware_stack = stack
+
     async def init_state(self, engine_client: Any, state: Any, args: argparse.Namespace) -> None:
-        """Give the app the registry, and vLLM's completion and chat handlers the steering step.
+        """Give the app the registry, and vLLM's generation handlers the steering step.
 
         The handlers vLLM built (with every argument as vLLM passes it) are re-classed in place over
         their steering mixin, which keeps their state and adds only the step after rendering.
@@ -211,27 +345,33 @@ class SteeringEndpoints:
         for attribute, mixin in HANDLERS.items():
             handler = getattr(state, attribute, None)
             if handler is not None:
-                handler.__class__ = type(mixin.__name__, (mixin, type(handler)), {"__doc__": mixin.__doc__})
+                name = f"Steering{type(handler).__name__}"
+                handler.__class__ = type(name, (mixin, type(handler)), {"__doc__": mixin.__doc__})
                 handler.steering_registry = self.registry
+                handler.max_capture_bytes = args.max_capture_bytes
 
 
 def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     """The steered engine's arguments from the parsed command line (vLLM's engine arguments and ours)."""
-    return steered_engine_args(AsyncEngineArgs.from_cli_args(args), args.steering_rows_per_request)
+    arguments = AsyncEngineArgs.from_cli_args(args)
+    return steered_engine_args(arguments, args.steering_rows_per_request, args.capture_values)
 
 
 @contextlib.asynccontextmanager
 async def steered_engine(arguments: AsyncEngineArgs, vllm_config: Any) -> AsyncIterator[SteeringEngineClient]:
     """The engine vLLM's server would build from ``arguments`` (as its ``build_async_engine_client`` does),
     steered; shut down on exit."""
-    engine = SteeringEngineClient.from_vllm_config(
-        vllm_config=vllm_config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=arguments.enable_log_requests,
-        aggregate_engine_logging=arguments.aggregate_engine_logging,
-        disable_log_stats=arguments.disable_log_stats,
+    engine = start_recompiling_once(
+        lambda: SteeringEngineClient.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=arguments.enable_log_requests,
+            aggregate_engine_logging=arguments.aggregate_engine_logging,
+            disable_log_stats=arguments.disable_log_stats,
+        )
     )
     try:
+        await engine.check_capture_values()
         yield engine
     finally:
         engine.shutdown(timeout=vllm_config.shutdown_timeout)
@@ -246,6 +386,7 @@ async def build_app(engine: SteeringEngineClient, args: argparse.Namespace, regi
     app = build_vllm_app(args, supported_tasks, engine.model_config)
     endpoints = SteeringEndpoints(registry)
     endpoints.attach_router(app)
+    endpoints.attach_guards(app, engine, args)
     await init_app_state(engine, app.state, args, supported_tasks)
     await endpoints.init_state(engine, app.state, args)
     return app

@@ -62,7 +62,6 @@ LLAMA_LIKE = ("llama", "smollm2")
 #: The prefix of every skip reason given here.
 NOT_APPLICABLE = "not applicable: "
 
-PRIVATE = "tests nnterp's own internals"
 RAW_OUTPUTS = (
     "compares native module outputs/inputs (model.layers[i].output, model.output.logits) with transformers'; "
     "on vLLM those are the engine's own flat (hidden, residual) tensors, and the standardized values "
@@ -78,10 +77,7 @@ NNSIGHT_ONLY = "runs on nnsight's own LanguageModel (transformers) only, not on 
 
 #: ``{(test function, engine or None for both, model id or None for all): reason}``.
 REASONS: dict[tuple[str, str | None, str | None], str] = {
-    ("test_print_attn_probabilities_source", None, None): (
-        f"{PRIVATE}: it prints the attention forward's source where nnterp hooks the pattern "
-        "(here the family's Attention names that operation)"
-    ),
+    ("test_print_attn_probabilities_source", "vllm", None): PATTERN,
     ("test_standardized_transformer_steer_method", None, None): (
         "asserts that steer(positions=...) is deprecated (nnterp 1.3's decision); in nnterp_vllm positions= is "
         "the primary spelling and token_positions= its nnterp alias, neither deprecated"

@@ -1,0 +1,317 @@
+"""In-engine capture: standardized values kept by one static operation each, inside vLLM's compiled model.
+
+An engine built to keep some values (`capture_settings`; their names ride ``additional_config``, so they also
+key vLLM's compile cache) has, on its worker, one ``rows [values, max_num_batched_tokens, hidden]`` buffer and,
+at each kept value's location, a hook that copies the step's ``[tokens, hidden]`` stream into its row of the
+buffer with `keep_rows`: a custom op the compiled graph calls in place (no copy of the whole buffer, no graph
+break, captured into CUDA graphs on GPUs). The locations are found through the model's family in
+``families/vllm/`` by the descriptors nnsight reads (`Value.located`), so both paths read the same values.
+
+Before each step the runner lays out which scheduled tokens each capturing request keeps (`Capturer.plan`,
+from the scheduler's output, as the steering table is filled); after the forward it copies those rows into
+the request's own tensors (`Capturer.gather`), one slice per value per request, by position: chunked
+prefill, requests joining and leaving, and a preempted request computed again keep each row once, in
+position order. The client takes a finished request's tensors in one call (`Capturer.take`); they never
+travel through the engine's output queue. Under tensor parallelism the stream is whole on every rank, so
+only the first rank keeps rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import families
+from ..capture import EXTRA_ARGS_KEY, STATIC_ROOT_VALUES, kept_count, kept_runs
+from ..components import Layers
+from ..components.values import Located
+from ..standardized import Standardized, standard_rename
+
+logger = logging.getLogger(__name__)
+
+#: Key of the engine's steering settings under which the kept values' names travel.
+CAPTURE_SETTING = "capture"
+#: Finished requests whose rows the worker holds for the client before dropping the oldest.
+FINISHED_KEPT = 4096
+#: How many times a capture hook ran as Python rather than inside a compiled graph, in this process.
+EAGER_CALLS = 0
+
+
+@torch.library.custom_op("nnterp_vllm::keep_rows", mutates_args=("rows",))
+def keep_rows(rows: torch.Tensor, slot: int, value: torch.Tensor) -> None:
+    """Copy a step's ``value`` (``[tokens, hidden]``) into ``rows[slot]``: the one operation capture adds to
+    the compiled graph, opaque to the compiler, so it writes the buffer in place."""
+    rows[slot, : value.shape[0]].copy_(value)
+
+
+@keep_rows.register_fake
+def _keep_rows_shapes(rows: torch.Tensor, slot: int, value: torch.Tensor) -> None:
+    return None
+
+
+class CaptureRows(torch.nn.Module):
+    """The per-step buffer of kept values, ``rows [values, tokens, hidden]``, registered on every hooked module
+    (a non-persistent buffer: no weight file names it) so the compiled graph reads it at a stable path."""
+
+    def __init__(self, values: int, tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        with torch.inference_mode(False):
+            self.register_buffer("rows", torch.zeros(values, tokens, hidden, dtype=dtype, device=device), False)
+
+
+def _count_eager() -> None:
+    global EAGER_CALLS
+    if not torch.compiler.is_compiling():  # folded away when traced: counts only runs outside a compiled graph
+        EAGER_CALLS += 1
+
+
+def keep_output(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook: each value kept at this module's output, copied into its row of the buffer."""
+    _count_eager()
+    for slot, flat in module.nnterp_kept_outputs:
+        torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat(output))
+
+
+def keep_input(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    """Forward pre-hook: each value kept at this module's input, copied into its row of the buffer."""
+    _count_eager()
+    for slot, flat in module.nnterp_kept_inputs:
+        torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat((args, kwargs)))
+
+
+@contextlib.contextmanager
+def standard_tree(model: torch.nn.Module, family: Any) -> Iterator[Any]:
+    """The nnsight envoy tree over a loaded model with ``family``'s names and classes, to locate values by the
+    same descriptors nnsight reads; every module gets back what building the tree installed on it (nnsight's
+    controllers) on the way out, so the model vLLM compiles carries nothing of it."""
+    from nnsight.intervention.envoy import Envoy
+    from nnsight.intervention.source import STATE
+
+    missing = object()
+    before = [(module, module.__dict__.get("forward", missing)) for module in model.modules()]
+    root = type("FamilyRoot", (Envoy,), {"family": family})  # what root values ask of their model
+    try:
+        yield root(model, rename=standard_rename(family), envoys={"layers": Layers, **family.ENVOYS})
+    finally:
+        for module, forward in before:
+            module.__dict__.pop(STATE, None)
+            if forward is missing:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
+
+
+def locate(model: torch.nn.Module, model_type: str, names: Sequence[str]) -> dict[str, Located | str]:
+    """Each value name (``layers.3.layer_output``, ``token_embeddings``) -> where it lives on ``model`` and how it
+    is read there (`Located`), or why the engine cannot keep it."""
+    from .vllm import StandardizedVLLM
+
+    family = families.lookup(model_type, engine=families.VLLM)
+    found: dict[str, Located | str] = {}
+    with standard_tree(model, family) as root:
+        for name in names:
+            if name in STATIC_ROOT_VALUES:
+                host, descriptor = root, getattr(StandardizedVLLM, name)
+            else:
+                _, layer, key = name.split(".", 2)
+                host = root.layers[int(layer)]
+                *modules, value = key.split(".")
+                for part in modules:
+                    host = getattr(host, part, None)
+                    if host is None:
+                        break
+                descriptor = getattr(type(host), value, None)
+            if host is None or descriptor is None:
+                found[name] = f"{family.__name__} has no {name}"
+            else:
+                found[name] = descriptor.located(host)
+    return found
+
+
+def pack(tensor: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """A tensor as plain data an RPC result carries across processes: dtype name, shape, raw bytes."""
+    return (
+        str(tensor.dtype).removeprefix("torch."),
+        list(tensor.shape),
+        tensor.contiguous().view(torch.uint8).numpy().tobytes(),
+    )
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    """The tensor `pack` made plain data (a tensor itself where it never left its process)."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    dtype, shape, data = packed
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
+@dataclasses.dataclass
+class KeptRows:
+    """A capturing request, as the runner keeps it: its capture in engine form, the buffer slot of each of its
+    values, and its rows so far (a tensor per value, grown as generated tokens come)."""
+
+    wire: dict[str, Any]
+    slots: list[int]
+    tensors: list[torch.Tensor]
+    filled: int = 0
+    taken: bool = False
+
+    def room(self, rows: int) -> None:
+        """Make each tensor hold at least ``rows`` rows (doubling), keeping what it holds."""
+        capacity = self.tensors[0].shape[0]
+        if rows <= capacity:
+            return
+        capacity = max(rows, 2 * capacity)
+        grown = []
+        for tensor in self.tensors:
+            bigger = tensor.new_empty((capacity, *tensor.shape[1:]))
+            bigger[: self.filled] = tensor[: self.filled]
+            grown.append(bigger)
+        self.tensors = grown
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Each value's rows so far, ``[kept, hidden]``, in position order."""
+        return {name: tensor[: self.filled] for name, tensor in zip(self.wire["values"], self.tensors)}
+
+
+class Capturer:
+    """Installs the capture operations on a loaded model, lays out each step's kept rows and copies them out."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, names: Sequence[str]) -> None:
+        from vllm.distributed import parallel_state
+
+        model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+        self.names = list(names)
+        self.slots = {name: slot for slot, name in enumerate(self.names)}
+        found = locate(model, Standardized._model_type(model_config.hf_config), self.names)
+        #: Why a value named at build cannot be kept (what the client refuses with).
+        self.reasons = {name: where for name, where in found.items() if isinstance(where, str)}
+        #: Where each kept value lives: ``(module path, hook point)``.
+        self.places = {
+            name: (where.module, where.attribute) for name, where in found.items() if name not in self.reasons
+        }
+        #: Only the first tensor-parallel rank keeps rows: the streams are whole on every rank.
+        self.keeps = parallel_state.get_tensor_model_parallel_rank() == 0
+        self.hidden = model_config.get_hidden_size()
+        self.requests: dict[str, KeptRows | None] = {}
+        self.finished: collections.OrderedDict[str, KeptRows] = collections.OrderedDict()
+        self.step: list[tuple[KeptRows, int, int, int]] = []
+        self.step_tokens = 0
+        self.rows_kept = 0
+        if not self.keeps or not self.names or self.reasons:
+            return
+        self.buffers = CaptureRows(
+            len(self.names), scheduler.max_num_batched_tokens, self.hidden, model_config.dtype, device
+        )
+        for name, where in found.items():
+            module = model.get_submodule(where.module)
+            if not hasattr(module, "nnterp_capture"):
+                module.nnterp_capture = self.buffers
+                module.nnterp_kept_outputs, module.nnterp_kept_inputs = [], []
+            if where.attribute == "output":
+                if not module.nnterp_kept_outputs:
+                    module.register_forward_hook(keep_output)
+                module.nnterp_kept_outputs.append((self.slots[name], where.flat))
+            else:
+                if not module.nnterp_kept_inputs:
+                    module.register_forward_pre_hook(keep_input, with_kwargs=True)
+                module.nnterp_kept_inputs.append((self.slots[name], where.flat))
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def request(self, request_id: str, state: Any) -> KeptRows | None:
+        """The capture of a scheduled request (set up once, from its sampling params)."""
+        if request_id in self.requests:
+            return self.requests[request_id]
+        wire = (getattr(state.sampling_params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        kept = None
+        if wire is not None and self.keeps:
+            dtype = getattr(torch, wire["dtype"])
+            expected = wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1)
+            capacity = max(1, min(kept_count(wire, expected), wire["prompt_tokens"] + 16))
+            tensors = [torch.empty(capacity, self.hidden, dtype=dtype) for _ in wire["values"]]
+            kept = KeptRows(wire, [self.slots[name] for name in wire["values"]], tensors)
+        self.requests[request_id] = kept
+        return kept
+
+    def forget(self, request_id: str) -> None:
+        """A request left the engine (finished or aborted): its rows wait for the client, within a bound."""
+        kept = self.requests.pop(request_id, None)
+        if kept is None or kept.taken:
+            return
+        self.finished[f"{kept.wire['key']}/{request_id}"] = kept
+        while len(self.finished) > FINISHED_KEPT:
+            dropped, _ = self.finished.popitem(last=False)
+            logger.warning("captured rows of request %s were never taken; dropped", dropped)
+
+    # -- per step -------------------------------------------------------------------------------------
+
+    def plan(self, request_ids: Sequence[str], scheduled: np.ndarray, computed: np.ndarray, states: dict) -> None:
+        """Lay out the rows this step keeps: tokens as vLLM lays them, the input batch's requests in order, each
+        its ``scheduled[i]`` tokens at positions ``computed[i]`` onwards."""
+        self.step = []
+        offset = 0
+        for i, request_id in enumerate(request_ids):
+            count = int(scheduled[i])
+            kept = self.request(request_id, states[request_id])
+            if kept is not None and not kept.taken:
+                for first, row, length in kept_runs(kept.wire, int(computed[i]), count):
+                    self.step.append((kept, offset + first, row, length))
+            offset += count
+        self.step_tokens = offset
+
+    def gather(self) -> None:
+        """Copy this step's kept rows out of the buffer into their requests' tensors (from an accelerator, the
+        step's rows come over in one copy first)."""
+        if not self.step:
+            return
+        rows = self.buffers.rows
+        if rows.device.type != "cpu":
+            rows = rows[:, : self.step_tokens].to("cpu")
+        for kept, token, row, length in self.step:
+            kept.room(row + length)
+            for tensor, slot in zip(kept.tensors, kept.slots):
+                tensor[row : row + length].copy_(rows[slot, token : token + length])
+            kept.filled = max(kept.filled, row + length)
+            self.rows_kept += length
+        self.step = []
+
+    def take(self, keys: Sequence[str], packed: bool) -> dict[str, dict[str, dict[str, Any]]]:
+        """The rows of the requests carrying capture ``keys``: ``{key: {request id: {value name: [kept, hidden]}}}``
+        (one request id per completion), handed over and forgotten here; each tensor `packed` where the rows
+        leave this process (an RPC result crosses processes as plain data)."""
+        wanted = set(keys)
+        found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        for entry, kept in list(self.finished.items()):
+            key, request_id = entry.split("/", 1)
+            if key in wanted:
+                found.setdefault(key, {})[request_id] = kept.named()
+                del self.finished[entry]
+        for request_id, kept in self.requests.items():
+            if kept is not None and not kept.taken and kept.wire["key"] in wanted:
+                found.setdefault(kept.wire["key"], {})[request_id] = kept.named()
+                kept.taken = True
+        if packed:
+            for requests in found.values():
+                for named in requests.values():
+                    named.update({name: pack(rows) for name, rows in named.items()})
+        return found
+
+    def stats(self) -> dict[str, Any]:
+        """What a test or benchmark reads: eager runs of the capture hooks, rows kept, requests held."""
+        return {
+            "eager_calls": EAGER_CALLS,
+            "rows_kept": self.rows_kept,
+            "live_requests": sum(kept is not None for kept in self.requests.values()),
+            "finished_held": len(self.finished),
+        }
+
+
+__all__ = ["Capturer", "KeptRows", "keep_rows", "locate", "pack", "standard_tree", "unpack"]

@@ -1,0 +1,55 @@
+"""``--api-key`` on every route: vLLM guards only paths under ``/v1`` (and a few prefixes); this guards all.
+
+Open without a key: ``/health`` and ``/ping`` (a load balancer's liveness probes), and ``/metrics`` with
+``--metrics-without-api-key`` (a Prometheus scraper). Everything else, ``/invocations``, ``/tokenize`` and
+the vector registry included, answers 401 to a request without a valid key before anything reads its
+body or looks anything up, so the answer tells nothing about what exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Awaitable
+from http import HTTPStatus
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+from vllm import envs
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+from .errors import error_json
+
+OPEN_PATHS = ("/health", "/ping")
+#: vLLM serves Prometheus metrics on every path that starts with this (a mounted app).
+METRICS_PREFIX = "/metrics"
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys a request may carry, as vLLM reads them: ``--api-key`` (any number), else ``VLLM_API_KEY``."""
+    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
+class GuardEveryRoute(AuthenticationMiddleware):
+    """vLLM's API-key middleware (its token check), applied to every path but the open ones."""
+
+    def __init__(self, app: ASGIApp, tokens: list[str], metrics_open: bool) -> None:
+        super().__init__(app, tokens)
+        self.metrics_open = metrics_open
+
+    def is_open(self, path: str) -> bool:
+        """Whether ``path`` answers without a key."""
+        return path in OPEN_PATHS or (self.metrics_open and path.startswith(METRICS_PREFIX))
+
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if self.is_open(path) or self.verify_token(Headers(scope=scope)):
+            return self.app(scope, receive, send)
+        response = error_json(
+            "a valid API key is required: send the header 'Authorization: Bearer <key>' with a key the server "
+            "was started with (--api-key)",
+            None,
+            HTTPStatus.UNAUTHORIZED,
+        )
+        return response(scope, receive, send)

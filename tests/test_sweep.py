@@ -1,0 +1,159 @@
+"""Steering experiments on `SteeredVLLM`: a grid as one batch, its rows, its scores, decode-only prompt sharing.
+
+One engine on a tiny llama with a 1024-token context (prefix caching on, vLLM's default steps), shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tiny
+import torch
+from vllm import SamplingParams
+
+from nnterp_vllm import StandardizedTransformer, SteeredVLLM, Steering, sweep
+from nnterp_vllm.display import plot_sweep_scores
+from nnterp_vllm.sweeps import COLUMNS, read_grid, scoring_positions
+
+GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+PROMPTS = ["The weather today is", "My favourite colour is"]
+TARGETS = {"A": " (A) yes", "B": " (B) no"}
+LONG = "".join(f"{i % 10} " for i in range(300))  # 600 tokens of the byte-level tokenizer
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny.checkpoint("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    model = SteeredVLLM(path, dtype="float32", max_model_len=1024, disable_log_stats=False)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    generator = torch.Generator().manual_seed(3)
+    return {name: torch.randn(128, generator=generator) * 2 for name in ("up", "down")}
+
+
+def hits(model: SteeredVLLM) -> float:
+    return sum(metric.value for metric in model.get_metrics() if metric.name == "vllm:prefix_cache_hits")
+
+
+def test_a_grid_of_decode_only_steerings_computes_its_prompt_once(engine, vectors):
+    generator = torch.Generator().manual_seed(4)
+    grid = {f"v{i}": torch.randn(128, generator=generator) for i in range(4)}
+    tokens = len(engine.get_tokenizer()(LONG)["input_ids"])
+    assert 550 < tokens < 1000
+    before = hits(engine)
+    table = sweep(engine, [LONG], grid, [1], [0.5, 1.0, 2.0, 4.0], SamplingParams(**GREEDY), positions="generated")
+    assert len(table) == 17  # the baseline and 16 cells
+    full_blocks = tokens // engine.llm_engine.vllm_config.cache_config.block_size
+    assert hits(engine) - before >= 15 * full_blocks * engine.llm_engine.vllm_config.cache_config.block_size
+    for row in table[1:5]:  # each row equals the same steering run alone
+        specs = [Steering(row["layers"], grid[row["vector"]], row["factor"], "generated")]
+        (alone,) = engine.generate(LONG, SamplingParams(**GREEDY), specs)
+        assert row["token_ids"] == list(alone.outputs[0].token_ids)
+
+
+def test_rows_equal_separate_generate_calls_and_scores_equal_transformers(engine, vectors, path, tmp_path):
+    params = SamplingParams(**GREEDY)
+    table = sweep(engine, PROMPTS, vectors, [0, [1, 2]], [-1.0, 3.0], params, score=TARGETS, positions="generated")
+    assert len(table) == len(PROMPTS) * (1 + 2 * 2 * 2)
+    assert set(table[0]) == {*COLUMNS, "score: A", "score: B"}
+    assert (table[0]["vector"], table[0]["factor"], table[0]["layers"]) == (None, 0.0, None)
+    frame = table.frame
+    assert list(frame.columns[: len(COLUMNS)]) == list(COLUMNS) and len(frame) == len(table)
+    hf = StandardizedTransformer(path)
+    for row in table:
+        specs = (
+            None
+            if row["vector"] is None
+            else [Steering(row["layers"], vectors[row["vector"]], row["factor"], "generated")]
+        )
+        (alone,) = engine.generate(row["prompt"], params, specs)
+        assert row["token_ids"] == list(alone.outputs[0].token_ids) and row["text"] == alone.outputs[0].text
+        for label, target in TARGETS.items():
+            torch.testing.assert_close(
+                torch.tensor(row[f"score: {label}"]),
+                transformers_logprob(hf, row["prompt"], target, specs),
+                atol=1e-3,
+                rtol=1e-4,
+            )
+    assert len({row["score: A"] for row in table if row["prompt"] == PROMPTS[0]}) > 1  # steering moves the scores
+    figure = plot_sweep_scores(table, "A", file=tmp_path / "scores.png")
+    assert (tmp_path / "scores.png").stat().st_size > 0 and len(figure.axes[0].lines) == 5  # 4 cells and baseline
+    assert len(table.to_jsonl(tmp_path / "rows.jsonl").read_text().splitlines()) == len(table)
+
+
+def transformers_logprob(model: StandardizedTransformer, prompt: str, target: str, specs) -> torch.Tensor:
+    """The summed log-probability of ``target`` after ``prompt``, each spec steered where the model would steer a
+    generated ``target``: the target's positions."""
+    prompt_ids = model.tokenizer(prompt)["input_ids"]
+    target_ids = model.tokenizer(target, add_special_tokens=False)["input_ids"]
+    where = scoring_positions("generated", len(prompt_ids), len(target_ids))
+    with model.trace(prompt_ids + target_ids):
+        for spec in specs or []:
+            model.steer(spec.layers, spec.vector, spec.factor, positions=where)
+        logits = model.logits.save()
+    logprobs = torch.log_softmax(logits[0].float(), -1)
+    return sum(logprobs[len(prompt_ids) + i - 1, token] for i, token in enumerate(target_ids))
+
+
+def test_the_cli_runs_a_grid_file_to_json_lines(path, vectors, tmp_path):
+    torch.save({"layer_activations": {1: vectors["up"]}, "layer_type": "decoder_block"}, tmp_path / "up.pt")
+    grid = {
+        "prompts": PROMPTS,
+        "vectors": {"up": "up.pt", "inline": vectors["down"].tolist()},
+        "layers": [2],
+        "factors": [1.0, 2.0],
+        "sampling": GREEDY,
+        "score": [" yes"],
+        "engine": {"dtype": "float32", "max_model_len": 1024},
+    }
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    command = [sys.executable, "-m", "nnterp_vllm.cli", "sweep", str(path), "--grid", str(tmp_path / "grid.json")]
+    done = subprocess.run([*command, "--out", str(tmp_path / "rows.jsonl"), "--quiet"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == len(PROMPTS) * (1 + 2 * 2) and all("score:  yes" in row for row in rows)
+    assert {(row["vector"], tuple(row["layers"] or ())) for row in rows} == {(None, ()), ("up", (1,)), ("inline", (2,))}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"prompts": []}, "prompts must be a non-empty list"),
+        ({"vectors": {}}, "vectors must be a non-empty dict"),
+        ({"factors": []}, "factors must be a non-empty list"),
+        ({"factors": [float("nan")]}, "factor must be a finite number"),
+        ({"layers": []}, "layers must be a non-empty list"),
+        ({"layers": [7]}, r"layer\(s\) \[7\] do not exist"),
+        ({"score": {"A": ""}}, "score must be a non-empty dict"),
+        ({"vectors": {"v": torch.zeros(5)}}, r"shape \[hidden_size\] = \[128\]"),
+    ],
+)
+def test_a_bad_grid_is_refused_before_the_engine_sees_it(engine, vectors, change, message):
+    arguments = {"prompts": PROMPTS, "vectors": vectors, "layers": [1], "factors": [1.0], "score": None, **change}
+    requests = engine.request_counter.counter
+    with pytest.raises(ValueError, match=message):
+        sweep(engine, sampling_params=SamplingParams(**GREEDY), **arguments)
+    assert engine.request_counter.counter == requests
+
+
+def test_a_bad_grid_file_names_the_file_and_the_key(tmp_path):
+    (tmp_path / "grid.yaml").write_text("prompts: [a]\nvectors: {v: [1.0]}\nfactor: [1]\n")
+    with pytest.raises(ValueError, match=r"grid.yaml: unknown keys \['factor'\] / missing keys \['factors'\]"):
+        read_grid(tmp_path / "grid.yaml")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+        read_grid(tmp_path / "bad.json")
+    (tmp_path / "vector.json").write_text(json.dumps({"prompts": ["a"], "vectors": {"v": 3}, "factors": [1]}))
+    with pytest.raises(ValueError, match="vectors.v is a list of floats, a file path"):
+        read_grid(tmp_path / "vector.json")
