@@ -106,8 +106,9 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nnterp_vllm.harvest.compute import batches
     from nnterp_vllm.harvest.corpus import ContextSettings, read_documents, rows
-    from nnterp_vllm.harvest.run import batches, plan
+    from nnterp_vllm.harvest.run import plan
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     extra = {} if blocks is None else {"num_hidden_layers": blocks}
@@ -142,8 +143,8 @@ def our_harvest(
     vLLM; a `StandardizedVLLM` where ``through_nnsight``); seconds and CPU seconds, model loading excluded;
     the attention used; the blocks each forward ran; the vLLM path."""
     from nnterp_vllm.harvest import harvest
+    from nnterp_vllm.harvest.compute import build_settings, load_model
     from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS
-    from nnterp_vllm.harvest.run import build_settings, load_model
     from nnterp_vllm.harvest.selection import check_selectors
 
     results = []

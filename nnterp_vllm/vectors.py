@@ -242,7 +242,7 @@ def contrast_steering(
     import tempfile
 
     from .harvest import harvest
-    from .harvest.run import build_settings, load_model
+    from .harvest.compute import build_settings, load_model
     from .harvest.selection import check_selectors
 
     if method not in ("mean", "pca"):

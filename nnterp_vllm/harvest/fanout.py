@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .run import Job, Unit, load_model, run_unit
+from .compute import Job, Unit, load_model, run_unit
 
 
 class ShardWorker:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
+from .files import write_json
 
 FORMATS = ("safetensors", "sae-lens")
 #: The most buffers one ``preadv`` takes (Linux's ``IOV_MAX``).
@@ -264,8 +265,6 @@ class SaeLens:
         """Rewrite ``state.json`` and ``dataset_info.json`` for the shards in ``records``, so that
         ``datasets.load_from_disk(directory)`` reads them, in corpus order."""
         from datasets import DatasetInfo
-
-        from .store import write_json
 
         records = sorted(records, key=lambda record: record["index"])
         if not records:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
+from .compute import Unit
 from .corpus import Digested
 from .store import OVERWRITE, HarvestError, Store
-
-if TYPE_CHECKING:
-    from .run import Unit
 
 
 class Resume:

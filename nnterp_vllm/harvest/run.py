@@ -3,13 +3,10 @@
 The corpus becomes context rows (`corpus`), the rows become shards of about
 ``shard_bytes`` each, cut at row boundaries in corpus order: the plan depends on the
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
-workers write the same shards. A shard is computed in batches (rows sorted by length on
-transformers, one invoke per row on vLLM, each forward stopped after the deepest value read)
-and written atomically in the chosen layout (`layouts`), on a thread while the next shard is
-computed, then recorded in the manifest. On
-transformers a checkpoint is loaded with sdpa attention unless an attention-interior value is
-read (then eager, which exposes it). Each unit carries the digest of the corpus read up to its cut, which its record
-keeps: a rerun compares those before it trusts (skips) a recorded shard.
+workers (`fanout`) write the same shards. Each shard is computed (`compute`) and written on a
+thread while the next one is computed, then recorded in the manifest. Each unit carries the
+digest of the corpus read up to its cut, which its record keeps: a rerun compares those before it
+trusts (skips) a recorded shard (`resume`).
 """
 
 from __future__ import annotations
@@ -21,137 +18,36 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import in_engine, ranks
+from . import ranks
+from .compute import (
+    Job,
+    Unit,
+    attention_of,
+    blocks_run,
+    build_settings,
+    compute,
+    engine_name,
+    load_model,
+    model_dtype,
+    vllm_path,
+    write_unit,
+)
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
 from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import FORMATS, Columns
 from .reader import Harvest, load_harvest
 from .resume import Resume
-from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed, check_selectors, parse, token_shape
-from .store import OVERWRITE, HarvestError, Store, positive_int, write_shard
+from .selection import Selection, check_selectors, parse, token_shape
+from .store import OVERWRITE, HarvestError, Store, positive_int
 
-ENGINES = ("transformers", "vllm")
 #: The loaded models a harvest takes, by module and class.
 LOADED_MODELS = (("nnterp_vllm.standardized", "Standardized"), ("nnterp_vllm.engines.steered", "SteeredVLLM"))
 Positions = str | Callable[[list[int]], list[bool]]
-
-
-@dataclass
-class Unit:
-    """One shard's worth of rows: the unit of work, of writing and of resuming."""
-
-    index: int
-    rows: list[Row] = field(default_factory=list)
-    #: The digest of the corpus as read when this unit was cut (see `plan`).
-    corpus_sha256: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(row.token_ids) for row in self.rows)
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a worker needs to compute and write a shard, without the model."""
-
-    out: str
-    selections: tuple[Selection, ...]
-    positions: Any
-    context_length: int | None
-    dtype: str
-    batch_size: int
-    #: The manifest's settings: the layout a shard is written in follows from them.
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
-def attention_for(selectors: list[Selector]) -> str:
-    """The attention implementation a transformers harvest of ``selectors`` loads a checkpoint with:
-    eager where an attention-interior value is read (only eager exposes them all), else sdpa."""
-    interior = any(selector.key.rsplit(".", 1)[-1] in ATTENTION_INTERIOR for selector in selectors)
-    return "eager" if interior else "sdpa"
-
-
-def attention_of(model: Any) -> str:
-    """The attention implementation ``model`` runs: the transformers config's, or vLLM's own kernels."""
-    if model.ENGINE == "vllm":
-        return "vllm"
-    return str(getattr(model.config, "_attn_implementation", None) or "eager")
-
-
-def build_settings(selectors: list[Selector], engine: str, model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The keyword arguments a harvest of ``selectors`` builds a checkpoint's model with, over the caller's:
-    on transformers the attention `attention_for` picks; on vLLM a forward that stops after the deepest
-    block read (`blocks_needed`; the engine's ``FIRST_BLOCKS`` setting) and, where the engine keeps every
-    selected value itself, the in-engine path's settings (`in_engine.engine_settings`)."""
-    kwargs = dict(model_kwargs or {})
-    if engine == "transformers":
-        kwargs.setdefault("attn_implementation", attention_for(selectors))
-        return kwargs
-    blocks = blocks_needed(selectors)
-    if blocks is not None:
-        from ..engines.vllm_platform import FIRST_BLOCKS
-
-        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), FIRST_BLOCKS: blocks}
-    return in_engine.engine_settings(selectors, kwargs) if in_engine.serves(selectors) else kwargs
-
-
-def vllm_path(model: Any) -> str | None:
-    """Which path a vLLM harvest by ``model`` reads its values on: ``"engine"`` (kept by the engine itself) or
-    ``"nnsight"``; ``None`` on transformers."""
-    if model.ENGINE != "vllm":
-        return None
-    return EngineHarvester.PATH if isinstance(model, EngineHarvester) else "nnsight"
-
-
-def model_dtype(model: Any) -> str:
-    """The dtype ``model`` computes in, by name (``"float32"``)."""
-    dtype = model.dtype if isinstance(model, EngineHarvester) else next(model._module.parameters()).dtype
-    return str(dtype).removeprefix("torch.")
-
-
-def blocks_run(selectors: list[Selector], model: Any) -> int:
-    """How many blocks each forward of a harvest of ``selectors`` by ``model`` runs: on transformers the
-    trace stops after the deepest block read; on vLLM the engine runs the blocks it was built to run
-    (every block unless built by `build_settings`). ValueError where those stop short of a selected value."""
-    needed = blocks_needed(selectors)
-    if model.ENGINE != "vllm":
-        return model.num_layers if needed is None else min(needed, model.num_layers)
-    from ..engines.vllm_platform import FIRST_BLOCKS
-
-    if model.blocks_run < (needed or model.num_layers):
-        raise ValueError(
-            f"this vLLM model runs only its first {model.blocks_run} blocks (additional_config {FIRST_BLOCKS}), "
-            f"short of the values selected, which need {needed or 'all'}: build it without that setting"
-        )
-    return model.blocks_run
-
-
-def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = None, dispatch: bool = True) -> Any:
-    """The model a harvest reads: ``model`` itself (a `SteeredVLLM` made an `EngineHarvester`), or built from a
-    checkpoint on ``engine``: on vLLM, where ``model_kwargs`` name values the engine keeps (`build_settings`), an
-    engine keeping them (undispatched: nnsight's weightless tree, which names and sizes the same values)."""
-    engine = _engine(engine)
-    if not isinstance(model, (str, Path)):
-        steered = sys.modules.get("nnterp_vllm.engines.steered")
-        return EngineHarvester(model) if steered and isinstance(model, steered.SteeredVLLM) else model
-    kwargs = dict(model_kwargs or {})
-    if engine == "vllm":
-        from ..engines.vllm import StandardizedVLLM
-
-        if CAPTURE_VALUES in kwargs:
-            if dispatch:
-                return EngineHarvester(model, **kwargs)
-            del kwargs[CAPTURE_VALUES]
-        return StandardizedVLLM(model, dispatch=dispatch, **kwargs)
-    from ..engines.transformers import StandardizedTransformer
-
-    return StandardizedTransformer(model, dispatch=dispatch, **kwargs)
 
 
 def whole_rows(row_stream: Iterator[Row], length: int, stats: CorpusStats) -> Iterator[Row]:
@@ -179,129 +75,6 @@ def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], 
     if unit.rows:
         unit.corpus_sha256 = digest() if digest else None
         yield unit
-
-
-def _kept(row: Row, positions: Any) -> slice | torch.Tensor:
-    """Which of a row's positions are kept: all (a view of the row's value) or an index (a copy: what is
-    left out does not stay in memory with it)."""
-    count = len(row.token_ids)
-    if positions == "all":
-        return slice(None)
-    if positions == "last":
-        return torch.tensor([count - 1])
-    mask = torch.as_tensor(positions(list(row.token_ids)), dtype=torch.bool)
-    if mask.shape != (count,):
-        raise ValueError(f"the positions mask has shape {tuple(mask.shape)}; expected one flag per token, ({count},)")
-    return mask
-
-
-def compute(model: Any, unit: Unit, job: Job) -> Columns:
-    """The shard's columns: metadata and every selected value, one ``[kept tokens, ...]`` part per row, in
-    corpus order (a layout writes the parts as they are)."""
-    kept_already = False
-    if isinstance(model, EngineHarvester):
-        per_row = model.values(unit.rows, job.selections, job.positions, job.dtype)
-        kept_already = job.positions == "last"  # the engine kept only those rows
-    elif model.ENGINE == "vllm":
-        per_row = _run_vllm(model, unit.rows, job)
-    else:
-        per_row = _run_transformers(model, unit.rows, job)
-    dtype = getattr(torch, job.dtype)
-    columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("token_ids", "documents", "offsets", "rows")}
-    columns.update({selection.name: [] for selection in job.selections})
-    for number, (row, values) in enumerate(zip(unit.rows, per_row)):
-        kept = _kept(row, job.positions)
-        columns["token_ids"].append(torch.tensor(row.token_ids, dtype=torch.int64)[kept])
-        columns["documents"].append(torch.tensor(row.documents, dtype=torch.int64)[kept])
-        columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
-        columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
-        for selection in job.selections:
-            value = values[selection.name] if kept_already else values[selection.name][kept]
-            # Expert indices stay integers; activations are stored in the harvest's dtype.
-            columns[selection.name].append(value.to(dtype) if value.is_floating_point() else value)
-    return columns
-
-
-def batches(unit_rows: list[Row], batch_size: int, pad: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Rows sorted by length (little padding) in batches: ``(row numbers, input_ids, attention_mask)``, right-padded."""
-    order = sorted(range(len(unit_rows)), key=lambda i: -len(unit_rows[i].token_ids))
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        lengths = [len(unit_rows[i].token_ids) for i in batch]
-        ids = torch.full((len(batch), max(lengths)), pad, dtype=torch.int64)
-        mask = torch.zeros_like(ids)
-        for slot, i in enumerate(batch):
-            ids[slot, : lengths[slot]] = torch.tensor(unit_rows[i].token_ids)
-            mask[slot, : lengths[slot]] = 1
-        yield batch, ids, mask
-
-
-def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
-    """Values per row, in row order, computed in `batches`."""
-    import nnsight
-
-    results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
-        # No KV cache to build, and nothing runs past the deepest value read (the rest of the
-        # blocks, the final norm and the head are skipped).
-        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}, use_cache=False) as tracer:
-            saved = nnsight.save({})
-            for selection in job.selections:
-                saved[selection.name] = selection.read(model)
-            tracer.stop()
-        for slot, i in enumerate(batch):
-            length = len(unit_rows[i].token_ids)
-            results[i] = {
-                selection.name: selection.per_token(saved[selection.name][slot : slot + 1], length, job.context_length)
-                for selection in job.selections
-            }
-    return results
-
-
-def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torch.Tensor]]:
-    """One invoke per row, all in one engine call; values per row, in row order."""
-    import nnsight
-
-    with model.trace(temperature=0.0, max_tokens=1) as tracer:
-        saved = nnsight.save({})
-        for number, row in enumerate(unit_rows):
-            with tracer.invoke(list(row.token_ids)):
-                for selection in job.selections:
-                    saved[(number, selection.name)] = selection.read(model)
-                # Ends this request's worker: it is not served the logits or the sampled token.
-                tracer.stop()
-    return [
-        {
-            selection.name: selection.per_token(saved[(number, selection.name)], len(row.token_ids), job.context_length)
-            for selection in job.selections
-        }
-        for number, row in enumerate(unit_rows)
-    ]
-
-
-def shard_record(unit: Unit, columns: Columns) -> dict[str, Any]:
-    """What the manifest says of a shard besides its file and checksum."""
-    documents = [document for row in unit.rows for document in row.documents]
-    return {
-        "index": unit.index,
-        "rows": len(unit.rows),
-        "row_tokens": unit.tokens,
-        "tokens": sum(len(part) for part in columns["token_ids"]),
-        "first_document": min(documents),
-        "last_document": max(documents),
-        "corpus_sha256": unit.corpus_sha256,
-    }
-
-
-def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
-    """Compute and write one shard; its manifest record."""
-    return write_unit(unit, compute(model, unit, job), job)
-
-
-def write_unit(unit: Unit, columns: Columns, job: Job) -> dict[str, Any]:
-    """Write one computed shard; its manifest record."""
-    return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings)
 
 
 class BackgroundWriter:
@@ -375,14 +148,6 @@ def torch_dtype(name: Any, what: str) -> str:
     if not isinstance(name, str) or not isinstance(getattr(torch, name, None), torch.dtype):
         raise ValueError(f"{what} must name a torch dtype such as 'float16', 'bfloat16' or 'float32', got {name!r}")
     return name
-
-
-def _engine(engine: Any) -> str:
-    """The engine's name (``"hf"`` is ``"transformers"``); ValueError for another."""
-    engine = "transformers" if engine == "hf" else engine
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES} (or 'hf')")
-    return engine
 
 
 def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **counts: Any) -> None:
@@ -524,7 +289,7 @@ def harvest(
     _check_arguments(
         model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
     )
-    engine = _engine(engine)
+    engine = engine_name(engine)
     if dtype is not None:
         torch_dtype(dtype, "dtype")
     overflow = _check_format(format, context_length, overflow, positions, dtype)

@@ -22,11 +22,11 @@ import fcntl
 import json
 import logging
 import os
-import secrets
 from pathlib import Path
 from typing import IO, Any
 
 from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
+from .files import staging, write_json
 from .layouts import Columns, SaeLens, Safetensors, layout_of
 
 MANIFEST = "manifest.json"
@@ -65,21 +65,6 @@ def positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return value
-
-
-def staging(path: Path) -> Path:
-    """A temporary name next to ``path``, unique to this process (and call)."""
-    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-
-
-def write_json(path: Path, content: dict[str, Any], sort_keys: bool = True) -> None:
-    """Write ``content`` as JSON at ``path`` atomically (a temporary file, then a rename)."""
-    temporary = staging(path)
-    try:
-        temporary.write_text(json.dumps(content, indent=2, sort_keys=sort_keys))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def version(manifest: dict[str, Any]) -> int:
