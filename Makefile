@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-scale lint demo bench coverage clean
+.PHONY: install test test-slow test-scale lint demo bench coverage clean
 
 install: $(STAMP)
 
@@ -33,9 +33,13 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q
 
-# The multi-process and multi-node runs (tensor parallel, Ray clusters): tests/test_scale.py, marked `scale`.
+# The runs `make test` leaves out: minutes-long ones (marked `slow`) and the multi-process and multi-node
+# ones (tensor parallel, Ray clusters; marked `scale`).
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
 test-scale: install
-	$(PY) -m pytest -q -m scale tests/test_scale.py
+	$(PY) -m pytest -q -m scale
 
 demo: install
 	$(PY) -m nnterp_vllm.demo

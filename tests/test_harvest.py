@@ -305,6 +305,7 @@ def test_sigkill_at_any_moment_then_rerun_gives_identical_output(llama_path, tmp
     assert sorted(path.name for path in out.iterdir()) == sorted(path.name for path in complete.iterdir())
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_vllm_harvest_then_rerun_gives_identical_output(llama_path, tmp_path):
     """The in-engine path resumes as the others do: killed once shards are recorded, then rerun, byte-identical."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(120, seed=5))

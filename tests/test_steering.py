@@ -572,6 +572,7 @@ def test_importing_the_specs_loads_no_vllm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.scale
 def test_async_generate_on_two_tensor_parallel_ranks():
     """AsyncSteeredVLLM (the serving engine) with tensor_parallel_size=2: every rank holds the vectors, the first
     keeps the captured rows (the streams are whole on every rank), and its threads are placed on CPUs of its own

@@ -230,6 +230,7 @@ def test_repeng_and_steering_vectors_steer_as_our_import_does_on_transformers(sm
         assert steered_by_us(ours, specs) == expected, name
 
 
+@pytest.mark.slow
 def test_steered_vllm_gives_the_libraries_tokens(smol, by_libraries):
     """The same imports in `SteeredVLLM` (the README's engine settings: one compiled model for both)."""
     from vllm import SamplingParams
