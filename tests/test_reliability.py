@@ -268,6 +268,26 @@ def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeyp
     assert vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7) == {"kv_cache_memory_bytes": 7}
 
 
+def test_a_steered_engine_sizes_the_cpu_kv_cache_for_its_checkpoint_as_the_others_do(monkeypatch):
+    """`SteeredVLLM` (and the harvest's in-engine path, built on it) sizes the KV cache for the checkpoint's
+    context, lowering ``max_model_len`` where a full-length sequence does not fit, as `StandardizedVLLM` does."""
+    from nnterp_vllm.engines.steered import steering_settings
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=2**30))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    long_context = str(tiny.checkpoint("llama", max_position_embeddings=2**20))
+    expected = vllm_platform.engine_kwargs(long_context, dtype="float32")
+    settings = steering_settings(long_context, {"dtype": "float32"})
+    assert settings["max_model_len"] == expected["max_model_len"] < 2**20
+    assert settings["kv_cache_memory_bytes"] == expected["kv_cache_memory_bytes"] == 2**30 // 4
+    chosen = steering_settings(long_context, {"dtype": "float32", "max_model_len": 4096})
+    assert "max_model_len" not in chosen  # the caller's stays as given
+    assert (
+        chosen["kv_cache_memory_bytes"]
+        == vllm_platform.engine_kwargs(long_context, dtype="float32", max_model_len=4096)["kv_cache_memory_bytes"]
+    )
+
+
 # -- what would kill the engine -------------------------------------------------------------------------
 
 

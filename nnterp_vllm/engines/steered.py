@@ -466,7 +466,8 @@ def steering_settings(
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
     additional[CONFIG_KEY] = {"rows_per_request": rows_per_request, "code": _code_digest(), CAPTURE_SETTING: kept}
     plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
-    placed = engine_kwargs(**{**plain, "additional_config": additional})
+    # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
+    placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
     # What this platform's defaults add or replace (the executor of a CPU engine's ranks among them).
     changed = {name: value for name, value in placed.items() if name not in plain or value is not plain[name]}
     return {
