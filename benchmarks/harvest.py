@@ -20,7 +20,7 @@ included); peak RSS is the process's. The corpus: documents built from the shipp
 packed into rows of exactly the context length (as SAELens does). Prints the numbers and ratios; asserts
 nothing.
 
-    python benchmarks/harvest.py [--documents 240] [--context-length 128] [--rounds 3]
+    python benchmarks/harvest.py [--documents 240] [--context-length 128] [--rounds 3] [--only plain-vllm,vllm,...]
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's mode
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
 PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm")
+#: Measured once, after the rounds.
+ONCE = ("saelens", "vllm-nnsight", "read")
 
 
 def cpu_seconds() -> float:
@@ -144,7 +146,7 @@ def our_harvest(
     the attention used; the blocks each forward ran; the vLLM path."""
     from nnterp_vllm.harvest import harvest
     from nnterp_vllm.harvest.compute import build_settings, load_model
-    from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS
+    from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS, EngineHarvester
     from nnterp_vllm.harvest.selection import check_selectors
 
     results = []
@@ -158,7 +160,7 @@ def our_harvest(
         try:
             began, cpu = time.perf_counter(), cpu_seconds()
             result = harvest(
-                model,
+                model.llm if isinstance(model, EngineHarvester) else model,  # a SteeredVLLM, as a user passes one
                 str(corpus),
                 values,
                 out if number == 0 else out.with_name(f"{out.name}-{number}"),
@@ -271,6 +273,11 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=240)
     parser.add_argument("--context-length", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (a), (b), (c0), (c), (g), (f)")
+    parser.add_argument(
+        "--only",
+        help="measure only these, comma-separated: " + ", ".join([*PAIRED, *ONCE]),
+        type=lambda text: text.split(","),
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
@@ -290,7 +297,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
         build_corpus(Path(scratch) / "corpus.jsonl", args.documents)
         tokens = 0
-        for name in [*PAIRED * args.rounds, "saelens", "vllm-nnsight", "read"]:
+        for name in [*PAIRED * args.rounds, *ONCE]:
+            if args.only and name not in args.only:
+                continue
             command = [sys.executable, __file__, "--child", name, "--scratch", scratch, f"--tokens={tokens}"]
             command += [f"--context-length={args.context_length}"]
             done = subprocess.run(command, capture_output=True, text=True)
