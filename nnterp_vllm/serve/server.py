@@ -40,6 +40,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.usage.usage_lib import UsageContext
 
 from ..capture import Capture, kept_count
+from ..engines.capture import pack
 from ..engines.compile_cache import start_recompiling_once
 from ..engines.steered import AsyncSteeredVLLM, steered_engine_args
 from ..steering import Steering
@@ -104,12 +105,8 @@ class SteeringEngineClient(AsyncSteeredVLLM):
 def encoded(activations: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Kept rows as JSON: per value ``{"shape", "dtype", "data": base64 of the raw little-endian bytes}``."""
     return {
-        name: {
-            "shape": list(rows.shape),
-            "dtype": str(rows.dtype).removeprefix("torch."),
-            "data": base64.b64encode(rows.contiguous().view(torch.uint8).numpy().tobytes()).decode(),
-        }
-        for name, rows in activations.items()
+        name: {"shape": shape, "dtype": dtype, "data": base64.b64encode(data).decode()}
+        for name, (dtype, shape, data) in ((name, pack(rows)) for name, rows in activations.items())
     }
 
 
