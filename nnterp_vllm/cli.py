@@ -17,13 +17,10 @@ def _support(args: argparse.Namespace) -> int:
 
 
 def _harvest(args: argparse.Namespace) -> int:
+    from .checkpoints import named
     from .harvest.run import harvest, torch_dtype
 
-    model = args.model
-    if model == "smollm2":
-        from .checkpoints import smollm2
-
-        model = str(smollm2())
+    model = named(args.model)
     model_kwargs = {"dtype": torch_dtype(args.model_dtype, "--model-dtype")} if args.model_dtype else {}
     if args.tensor_parallel_size is not None:
         if args.tensor_parallel_size < 1:
@@ -60,14 +57,10 @@ def _harvest(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from .checkpoints import named
     from .sweeps import read_grid, run_grid
 
-    model = args.model
-    if model == "smollm2":
-        from .checkpoints import smollm2
-
-        model = str(smollm2())
-    table = run_grid(model, read_grid(args.grid), progress=not args.quiet)
+    table = run_grid(named(args.model), read_grid(args.grid), progress=not args.quiet)
     print(f"{len(table)} rows written to {table.to_jsonl(args.out)}")
     return 0
 

@@ -14,6 +14,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoints import EMBEDDED, named
+
 
 def prepare_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` for ``--replicas``: importing ``nnterp_vllm`` is the preparation.
@@ -27,7 +29,6 @@ def prepare_ray_worker() -> None:
 #: Seconds a SIGTERM lets in-flight requests finish (vLLM's --shutdown-timeout, 0 there: abort at once).
 DRAIN_SECONDS = 30
 #: The name ``MODEL`` may be to serve the embedded default model (SmolLM2-135M-Instruct).
-EMBEDDED_MODEL = "smollm2"
 
 DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
 /v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
@@ -117,11 +118,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = parser().parse_args(list(argv))
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.model == EMBEDDED_MODEL:
-        from ..checkpoints import smollm2
-
-        args.model = str(smollm2())
-        args.served_model_name = args.served_model_name or [EMBEDDED_MODEL]
+    if args.model == EMBEDDED:
+        args.served_model_name = args.served_model_name or [EMBEDDED]
+    args.model = named(args.model)
     refused = {
         "--headless": args.headless,
         "--grpc": args.grpc,
