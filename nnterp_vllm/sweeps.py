@@ -145,6 +145,12 @@ def sweep(
                     placed = [Steering(s.layers, s.vector, s.factor, where) for s in specs]
                 plan.append(("score", row, (label, len(target_ids))))
                 requests.append(({"prompt_token_ids": prompt_ids + target_ids}, scoring, placed))
+    if positions == "generated" and model.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        # Requests the engine admits in one step all miss the prefix cache: each prompt's blocks are
+        # computed first, once, so that every cell (and the baseline) reads them.
+        distinct = {tuple(prompt["prompt_token_ids"]) for prompt, params, _ in requests if params is generation}
+        warm = SamplingParams(max_tokens=1, detokenize=False)
+        model.generate([{"prompt_token_ids": list(ids)} for ids in distinct], warm, use_tqdm=False)
     outputs = model.generate(
         [prompt for prompt, _, _ in requests],
         [params for _, params, _ in requests],
