@@ -18,6 +18,7 @@ Needs pytest-asyncio and tblib, which it installs beside (not into) the environm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -26,15 +27,18 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPENDENCIES = ROOT / ".cache" / "vllm-openai-suite"
 #: What vLLM's test suite imports that this project's environment lacks, installed beside it.
-TEST_DEPENDENCIES = ("pytest-asyncio==1.5.0", "tblib==3.2.2")
+TEST_DEPENDENCIES = ("pytest-asyncio==1.5.0", "tblib==3.2.2", "pytest-timeout==2.4.0")
 #: Test files of vLLM's OpenAI suite left out: LoRA, tensorizer, lm-eval correctness on GPUs, gpt-oss's
 #: harmony format (a 20B model whose tokenizer the embedded model cannot stand in for); the suite of this vLLM
 #: version has no multimodal test file under tests/entrypoints/openai. test_openai_schema fuzzes the API with
 #: schemathesis, a large dependency this environment does not carry.
 LEFT_OUT = ("lora", "tensorizer", "correctness", "harmony", "mcp_tools", "openai_schema")
+SERVERS = ("vllm", "nnterp")
 HUB_NAME = re.compile(r"""["']([A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9])["']""")
 SHIM = """#!{python}
 import os, sys
@@ -65,8 +69,8 @@ def hub_names(files: list[Path]) -> set[str]:
     return {name for path in files for name in HUB_NAME.findall(path.read_text()) if not name.startswith("v1")}
 
 
-def run(source: Path, files: list[Path], server: str, workdir: Path, out: Path, keyword: str | None) -> Path:
-    """pytest over ``files`` with ``server``'s ``vllm serve``; the JUnit report's path."""
+def prepare(source: Path, files: list[Path], workdir: Path) -> None:
+    """A working directory where vLLM's tests import and every hub name they use is the embedded model."""
     from nnterp_vllm.checkpoints import smollm2
 
     checkpoint = smollm2()
@@ -78,28 +82,54 @@ def run(source: Path, files: list[Path], server: str, workdir: Path, out: Path, 
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.exists():
             link.symlink_to(checkpoint, target_is_directory=True)
-    binaries = workdir / f"bin-{server}"
-    binaries.mkdir(exist_ok=True)
     venv = Path(sys.executable).parent
-    shim = binaries / "vllm"
-    shim.write_text(SHIM.format(python=sys.executable, steered=server == "nnterp", nnterp=str(venv / "nnterp-vllm")))
-    shim.chmod(0o755)
+    for server in SERVERS:
+        binaries = workdir / f"bin-{server}"
+        binaries.mkdir(exist_ok=True)
+        shim = binaries / "vllm"
+        nnterp = str(venv / "nnterp-vllm")
+        shim.write_text(SHIM.format(python=sys.executable, steered=server == "nnterp", nnterp=nnterp))
+        shim.chmod(0o755)
+
+
+def run(source: Path, path: Path, server: str, workdir: Path, out: Path, options: argparse.Namespace) -> Path:
+    """pytest over one test file with ``server``'s ``vllm serve``; the JUnit report's path.
+
+    A test still running after ``options.test_limit`` seconds fails; a file still running after
+    ``options.file_limit`` is stopped with everything it started (its report is then missing, and its tests
+    count as not run). A file whose report ``out`` already holds is not run again."""
+    relative = path.relative_to(source)
+    report = out / server / relative.with_suffix(".xml")
+    if report.exists():
+        return report
     env = {
         **os.environ,
-        "PATH": f"{binaries}{os.pathsep}{venv}{os.pathsep}{os.environ['PATH']}",
+        "PATH": os.pathsep.join([str(workdir / f"bin-{server}"), str(Path(sys.executable).parent), os.environ["PATH"]]),
         "PYTHONPATH": os.pathsep.join([str(DEPENDENCIES), str(workdir), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_RPC_BASE_PATH": str(workdir),
     }
-    report = out / f"{server}.xml"
+    report.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "pytest_asyncio", "-p", "no:cacheprovider", "-q", "-rN"]
     command += ["--rootdir", str(workdir), f"--junitxml={report}", "-o", "asyncio_mode=auto"]
-    command += ["--continue-on-collection-errors"]  # a module whose GPU marks fail on CPU is counted an error
-    command += [*(["-k", keyword] if keyword else []), *(str(workdir / path.relative_to(source)) for path in files)]
-    with open(out / f"{server}.log", "w") as log:
-        subprocess.run(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    command += [f"--timeout={options.test_limit:.0f}", "-o", "timeout_func_only=true"]  # pytest-timeout
+    command += [*(["-k", options.keyword] if options.keyword else []), str(workdir / relative)]
+    with open(report.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            process.wait(timeout=options.file_limit)
+        except subprocess.TimeoutExpired:
+            # the servers a test starts run in sessions of their own: stop them with the pytest that started them
+            for started in [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    started.kill()
+            process.wait()
+            report.unlink(missing_ok=True)
+            log.write(f"\nstopped after {options.file_limit:.0f} s\n")
     return report
 
 
@@ -118,18 +148,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path, help="vLLM 0.32.0's source tree (with its tests/)")
     parser.add_argument("--only", choices=["vllm", "nnterp"], help="run against one server")
     parser.add_argument("-k", dest="keyword", help="pytest's -k, to run part of the suite")
-    parser.add_argument("--out", type=Path, default=ROOT / "vllm-openai-suite", help="reports and logs")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "vllm-openai-suite", help="reports and logs (a rerun keeps the reports here)"
+    )
+    parser.add_argument("--test-limit", type=float, default=120, help="seconds one test may run (then it fails)")
+    parser.add_argument("--file-limit", type=float, default=1800, help="seconds one test file may run on one server")
     args = parser.parse_args(argv)
-    if not all((DEPENDENCIES / name).exists() for name in ("pytest_asyncio", "tblib")):
+    if not all((DEPENDENCIES / name).exists() for name in ("pytest_asyncio", "tblib", "pytest_timeout.py")):
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(DEPENDENCIES)]
         subprocess.run([*pip, *TEST_DEPENDENCIES], check=True)
-    files = test_files(args.source.resolve())
+    source = args.source.resolve()
+    files = test_files(source)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    servers = [args.only] if args.only else list(SERVERS)
+    results: dict[str, dict[str, str]] = {server: {} for server in servers}
     with tempfile.TemporaryDirectory(prefix="vllm-openai-suite-") as workdir:
-        for server in [args.only] if args.only else ["vllm", "nnterp"]:
-            report = run(args.source.resolve(), files, server, Path(workdir), args.out, args.keyword)
-            results[server] = outcomes(report) if report.exists() else {}
+        prepare(source, files, Path(workdir))
+        for path in files:  # file by file, each server in turn: a run stopped early still compares like with like
+            ran = []
+            for server in servers:
+                report = run(source, path, server, Path(workdir), args.out, args)
+                found = outcomes(report) if report.exists() else {}
+                results[server].update(found)
+                ran.append(f"{server}: {len(found)} tests" if report.exists() else f"{server}: no report (see its log)")
+            print(path.relative_to(source), *ran, sep="  ", flush=True)
     for server, found in results.items():
         counts = {
             kind: sum(1 for outcome in found.values() if outcome == kind)
