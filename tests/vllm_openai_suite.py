@@ -1,18 +1,23 @@
 """vLLM's own OpenAI API tests against ``vllm serve`` and against ``nnterp-vllm serve``, side by side.
 
     python tests/vllm_openai_suite.py VLLM_SOURCE [--only vllm|nnterp] [-k EXPR] [--out DIR]
+        [--test-limit S] [--file-limit S]
 
 ``VLLM_SOURCE`` is vLLM 0.32.0's source tree (``git clone --depth 1 --branch v0.32.0
-https://github.com/vllm-project/vllm``, or the unpacked sdist); its ``tests/entrypoints/openai`` run
-here, unchanged, twice, with a ``vllm`` first on ``PATH`` for their ``RemoteOpenAIServer``'s ``vllm serve``: once
-it starts vLLM's own server (through vLLM's API-server entry point: vLLM's command line stops with SIGILL
-on this machine as it imports all its subcommands), once ``nnterp-vllm serve``.
+https://github.com/vllm-project/vllm``, or the unpacked sdist from PyPI, tests included); its
+``tests/entrypoints/openai`` run here, unchanged, file by file, each file first with vLLM's own server then
+with ours, through a ``vllm`` first on ``PATH`` for their ``RemoteOpenAIServer``'s ``vllm serve``: once it starts
+vLLM's own server (through vLLM's API-server entry point: vLLM's command line stops with SIGILL on this machine
+as it imports all its subcommands), once ``nnterp-vllm serve``. A run stopped early has compared whole files.
 Every hub model name a test uses resolves to the embedded model (SmolLM2-135M, `checkpoints.smollm2`):
 the tests run in a directory where each ``org/name`` is a link to its checkpoint. Tests of LoRA, GPUs,
-multimodal models and gpt-oss's harmony format are left out (`LEFT_OUT`). The script prints, per server,
-how many tests passed, failed, errored and were skipped, and every test that passes on vLLM's server but
-not on ours. Whole run: about 1 h 45 min on a 2-core CPU machine (each test module starts its servers).
-Needs pytest-asyncio and tblib, which it installs beside (not into) the environment, under ``.cache/``.
+multimodal models and gpt-oss's harmony format are left out (`LEFT_OUT`). A test running longer than
+``--test-limit`` (120 s) fails on either server alike. Reports and logs go to ``--out``, one per file and
+server; a rerun runs only the files without a report there. The script prints, per server, how many tests
+passed, failed, errored and were skipped, and every test that passes on vLLM's server but not on ours.
+Whole run: about 1 h 40 min on a 2-core CPU machine (each test module starts its servers).
+Needs pytest-asyncio, pytest-timeout and tblib, which it installs beside (not into) the environment, under
+``.cache/``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ TEST_DEPENDENCIES = ("pytest-asyncio==1.5.0", "tblib==3.2.2", "pytest-timeout==2
 #: schemathesis, a large dependency this environment does not carry.
 LEFT_OUT = ("lora", "tensorizer", "correctness", "harmony", "mcp_tools", "openai_schema")
 SERVERS = ("vllm", "nnterp")
+#: Shared memory a server killed by a test leaves (vLLM's queues, Python's multiprocessing): removed after each file.
+SHARED_MEMORY_LEFT = ("psm_*", "vllm_*", "sem.mp-*", "sem.loky-*")
 HUB_NAME = re.compile(r"""["']([A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9])["']""")
 SHIM = """#!{python}
 import os, sys
@@ -77,6 +84,9 @@ def prepare(source: Path, files: list[Path], workdir: Path) -> None:
     tests = workdir / "tests"  # vLLM's tests package, without its source tree (which would shadow the installed vllm)
     if not tests.exists():
         tests.symlink_to(source / "tests", target_is_directory=True)
+    examples = workdir / "examples"  # chat templates the tests name by their path in the source tree
+    if not examples.exists():
+        examples.symlink_to(source / "examples", target_is_directory=True)
     for name in hub_names(files):
         link = workdir / name
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +100,11 @@ def prepare(source: Path, files: list[Path], workdir: Path) -> None:
         nnterp = str(venv / "nnterp-vllm")
         shim.write_text(SHIM.format(python=sys.executable, steered=server == "nnterp", nnterp=nnterp))
         shim.chmod(0o755)
+
+
+def shared_memory() -> set[Path]:
+    """The files in /dev/shm named as `SHARED_MEMORY_LEFT` says."""
+    return {path for pattern in SHARED_MEMORY_LEFT for path in Path("/dev/shm").glob(pattern)}
 
 
 def run(source: Path, path: Path, server: str, workdir: Path, out: Path, options: argparse.Namespace) -> Path:
@@ -110,12 +125,16 @@ def run(source: Path, path: Path, server: str, workdir: Path, out: Path, options
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_RPC_BASE_PATH": str(workdir),
+        # tests that ask for more context than the embedded model's 8,192 tokens (and use far less)
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+        "TMPDIR": str(workdir),  # vLLM's own server leaves its rendezvous file in the temporary directory
     }
     report.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "pytest_asyncio", "-p", "no:cacheprovider", "-q", "-rN"]
     command += ["--rootdir", str(workdir), f"--junitxml={report}", "-o", "asyncio_mode=auto"]
     command += [f"--timeout={options.test_limit:.0f}", "-o", "timeout_func_only=true"]  # pytest-timeout
     command += [*(["-k", options.keyword] if options.keyword else []), str(workdir / relative)]
+    shared_before = shared_memory()
     with open(report.with_suffix(".log"), "w") as log:
         process = subprocess.Popen(
             command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -130,6 +149,8 @@ def run(source: Path, path: Path, server: str, workdir: Path, out: Path, options
             process.wait()
             report.unlink(missing_ok=True)
             log.write(f"\nstopped after {options.file_limit:.0f} s\n")
+    for leftover in shared_memory() - shared_before:
+        leftover.unlink(missing_ok=True)
     return report
 
 
