@@ -15,7 +15,7 @@ multimodal models and gpt-oss's harmony format are left out (`LEFT_OUT`). A test
 ``--test-limit`` (120 s) fails on either server alike. Reports and logs go to ``--out``, one per file and
 server; a rerun runs only the files without a report there. The script prints, per server, how many tests
 passed, failed, errored and were skipped, and every test that passes on vLLM's server but not on ours.
-Whole run: about 1 h 40 min on a 2-core CPU machine (each test module starts its servers).
+Whole run: about two hours on a 2-core CPU machine (each test module starts its servers).
 Needs pytest-asyncio, pytest-timeout and tblib, which it installs beside (not into) the environment, under
 ``.cache/``.
 """
@@ -107,14 +107,14 @@ def shared_memory() -> set[Path]:
     return {path for pattern in SHARED_MEMORY_LEFT for path in Path("/dev/shm").glob(pattern)}
 
 
-def run(source: Path, path: Path, server: str, workdir: Path, out: Path, options: argparse.Namespace) -> Path:
+def run(source: Path, path: Path, server: str, workdir: Path, options: argparse.Namespace) -> Path:
     """pytest over one test file with ``server``'s ``vllm serve``; the JUnit report's path.
 
     A test still running after ``options.test_limit`` seconds fails; a file still running after
     ``options.file_limit`` is stopped with everything it started (its report is then missing, and its tests
-    count as not run). A file whose report ``out`` already holds is not run again."""
+    count as not run). A file whose report ``options.out`` already holds is not run again."""
     relative = path.relative_to(source)
-    report = out / server / relative.with_suffix(".xml")
+    report = options.out / server / relative.with_suffix(".xml")
     if report.exists():
         return report
     env = {
@@ -167,7 +167,7 @@ def outcomes(report: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="vLLM 0.32.0's source tree (with its tests/)")
-    parser.add_argument("--only", choices=["vllm", "nnterp"], help="run against one server")
+    parser.add_argument("--only", choices=SERVERS, help="run against one server")
     parser.add_argument("-k", dest="keyword", help="pytest's -k, to run part of the suite")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "vllm-openai-suite", help="reports and logs (a rerun keeps the reports here)"
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in files:  # file by file, each server in turn: a run stopped early still compares like with like
             ran = []
             for server in servers:
-                report = run(source, path, server, Path(workdir), args.out, args)
+                report = run(source, path, server, Path(workdir), args)
                 found = outcomes(report) if report.exists() else {}
                 results[server].update(found)
                 ran.append(f"{server}: {len(found)} tests" if report.exists() else f"{server}: no report (see its log)")

@@ -28,7 +28,6 @@ def prepare_ray_worker() -> None:
 
 #: Seconds a SIGTERM lets in-flight requests finish (vLLM's --shutdown-timeout, 0 there: abort at once).
 DRAIN_SECONDS = 30
-#: The name ``MODEL`` may be to serve the embedded default model (SmolLM2-135M-Instruct).
 
 DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
 /v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations

@@ -104,10 +104,11 @@ class SteeringEngineClient(AsyncSteeredVLLM):
 
 def encoded(activations: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Kept rows as JSON: per value ``{"shape", "dtype", "data": base64 of the raw little-endian bytes}``."""
-    return {
-        name: {"shape": shape, "dtype": dtype, "data": base64.b64encode(data).decode()}
-        for name, (dtype, shape, data) in ((name, pack(rows)) for name, rows in activations.items())
-    }
+    result = {}
+    for name, rows in activations.items():
+        dtype, shape, data = pack(rows)
+        result[name] = {"shape": shape, "dtype": dtype, "data": base64.b64encode(data).decode()}
+    return result
 
 
 def with_activations(body: dict[str, Any], recorded: dict[str, Any]) -> None:
