@@ -271,7 +271,7 @@ def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeyp
 def test_a_steered_engine_sizes_the_cpu_kv_cache_for_its_checkpoint_as_the_others_do(monkeypatch):
     """`SteeredVLLM` (and the harvest's in-engine path, built on it) sizes the KV cache for the checkpoint's
     context, lowering ``max_model_len`` where a full-length sequence does not fit, as `StandardizedVLLM` does."""
-    from nnterp_vllm.engines.steered import steering_settings
+    from nnterp_vllm.engines.steered_settings import steering_settings
 
     monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=2**30))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)

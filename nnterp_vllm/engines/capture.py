@@ -8,12 +8,14 @@ break, captured into CUDA graphs on GPUs). The locations are found through the m
 ``families/vllm/`` by the descriptors nnsight reads (`Value.located`), so both paths read the same values.
 
 Before each step the runner lays out which scheduled tokens each capturing request keeps (`Capturer.plan`,
-from the scheduler's output, as the steering table is filled); after the forward it copies those rows into
-the request's own tensors (`Capturer.gather`), one slice per value per request, by position: chunked
-prefill, requests joining and leaving, and a preempted request computed again keep each row once, in
-position order. The client takes a finished request's tensors in one call (`Capturer.take`); they never
-travel through the engine's output queue. Under tensor parallelism the stream is whole on every rank, so
-only the first rank keeps rows.
+from the scheduler's output, as the steering table is filled); after the forward it hands those rows on to the
+request's own tensors (`Capturer.gather`), one slice per value per request, by position: chunked prefill,
+requests joining and leaving, and a preempted request computed again keep each row once, in position order. On
+the CPU the rows are handed on at once; from an accelerator they leave without a host sync (`RowsLeaving`):
+copied into a staging buffer on the compute stream, then to pinned host memory on a copy stream of their own,
+overlapped with the next step, and handed on once that copy has completed. The client takes a finished
+request's tensors in one call (`Capturer.take`); they never travel through the engine's output queue. Under
+tensor parallelism the stream is whole on every rank, so only the first rank keeps rows.
 """
 
 from __future__ import annotations
@@ -181,12 +183,100 @@ class KeptRows:
         return {name: tensor[: self.filled] for name, tensor in zip(self.wire["values"], self.tensors)}
 
 
+def keeps_rows() -> bool:
+    """Whether this worker keeps captured rows: only the first tensor-parallel rank does, the streams being whole
+    on every rank (call inside a worker, where vLLM's parallel groups exist)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) -> None:
+    """Copy one step's kept rows, ``rows [values, step tokens, hidden]`` on the host, into their requests' tensors:
+    ``step`` lists each run as ``(request, first token in the step, first row of the request, length)``."""
+    for kept, token, row, length in step:
+        kept.room(row + length)
+        for tensor, slot in zip(kept.tensors, kept.slots):
+            tensor[row : row + length].copy_(rows[slot, token : token + length])
+        kept.filled = max(kept.filled, row + length)
+
+
+#: Pinned host buffers the kept rows of consecutive steps arrive in, in turn.
+HOST_BUFFERS = 2
+
+
+class RowsLeaving:
+    """Kept rows leaving an accelerator without a host sync in the step.
+
+    After a step's forward, its rows are copied on the compute stream into a staging buffer (device to device,
+    fast), so the next step's forward may write the capture buffer again; a copy stream of its own waits for that
+    copy (an event) and moves the staged rows to one of `HOST_BUFFERS` pinned host buffers, overlapped with the
+    next step's forward; the next staging copy waits (on the device) for that one to finish. The rows are handed on
+    once their copy's event has completed: polled after each step, waited for only when a host buffer is needed
+    again while its rows are still on their way (the host ahead of the device by two steps) or when the client
+    takes rows. The staging buffer is allocated with the capture buffer, before vLLM profiles memory, and counted.
+
+    ``device`` is the accelerator's torch module (``torch.cuda``: its ``Stream``, ``Event``, ``current_stream``,
+    ``stream``).
+    """
+
+    def __init__(self, rows: torch.Tensor, device: Any) -> None:
+        self.rows, self.device = rows, device
+        with torch.inference_mode(False):
+            self.staging = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
+        pinned = rows.device.type != "cpu"
+        self.hosts = [torch.empty(rows.numel(), dtype=rows.dtype, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
+        self.stream = device.Stream(rows.device)
+        self.staging_free: Any = None
+        self.next_host = 0
+        self.on_the_way: collections.deque[tuple[int, Any, list, int]] = collections.deque()
+
+    def send(self, step: list[tuple[KeptRows, int, int, int]], tokens: int) -> None:
+        """Start moving the first ``tokens`` tokens' rows of every value to the host (all copies enqueued, none
+        waited for by the host unless a host buffer is still in use)."""
+        host = self.next_host
+        self.next_host = (host + 1) % len(self.hosts)
+        while any(slot == host for slot, *_ in self.on_the_way):
+            self.deliver_one(hand_on, wait=True)
+        values, _, hidden = self.rows.shape
+        size = values * tokens * hidden
+        compute = self.device.current_stream(self.rows.device)
+        if self.staging_free is not None:
+            compute.wait_event(self.staging_free)
+        staged = self.staging[:size].view(values, tokens, hidden)
+        staged.copy_(self.rows[:, :tokens])
+        ready = self.device.Event()
+        ready.record(compute)
+        self.stream.wait_event(ready)
+        with self.device.stream(self.stream):
+            self.hosts[host][:size].copy_(self.staging[:size], non_blocking=True)
+            arrived = self.device.Event()
+            arrived.record(self.stream)
+        self.staging_free = arrived
+        self.on_the_way.append((host, arrived, step, tokens))
+
+    def deliver(self, receive: Any, wait: bool) -> None:
+        """Hand on, in step order, the rows whose copy has completed (all of them, waiting, where ``wait``)."""
+        while self.on_the_way and self.deliver_one(receive, wait):
+            pass
+
+    def deliver_one(self, receive: Any, wait: bool) -> bool:
+        """Hand on the oldest step's rows to ``receive(rows, step)`` if they have arrived (after waiting for them,
+        where ``wait``); whether they were handed on."""
+        host, arrived, step, tokens = self.on_the_way[0]
+        if not wait and not arrived.query():
+            return False
+        arrived.synchronize()
+        self.on_the_way.popleft()
+        values, _, hidden = self.rows.shape
+        receive(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
+        return True
+
+
 class Capturer:
     """Installs the capture operations on a loaded model, lays out each step's kept rows and copies them out."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, names: Sequence[str]) -> None:
-        from vllm.distributed import parallel_state
-
         model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
         self.names = list(names)
         self.slots = {name: slot for slot, name in enumerate(self.names)}
@@ -197,19 +287,21 @@ class Capturer:
         self.places = {
             name: (where.module, where.attribute) for name, where in found.items() if name not in self.reasons
         }
-        #: Only the first tensor-parallel rank keeps rows: the streams are whole on every rank.
-        self.keeps = parallel_state.get_tensor_model_parallel_rank() == 0
+        self.keeps = keeps_rows()
         self.hidden = model_config.get_hidden_size()
         self.requests: dict[str, KeptRows | None] = {}
         self.finished: collections.OrderedDict[str, KeptRows] = collections.OrderedDict()
         self.step: list[tuple[KeptRows, int, int, int]] = []
         self.step_tokens = 0
         self.rows_kept = 0
+        self.leaving: RowsLeaving | None = None
         if not self.keeps or not self.names or self.reasons:
             return
         self.buffers = CaptureRows(
             len(self.names), scheduler.max_num_batched_tokens, self.hidden, model_config.dtype, device
         )
+        if device.type != "cpu":
+            self.leaving = RowsLeaving(self.buffers.rows, torch.get_device_module(device))
         for name, where in found.items():
             module = model.get_submodule(where.module)
             if not hasattr(module, "nnterp_capture"):
@@ -268,25 +360,25 @@ class Capturer:
         self.step_tokens = offset
 
     def gather(self) -> None:
-        """Copy this step's kept rows out of the buffer into their requests' tensors (from an accelerator, the
-        step's rows come over in one copy first)."""
+        """Send this step's kept rows on their way to their requests' tensors (at once on the CPU; from an
+        accelerator, asynchronously: `RowsLeaving`), and hand on those of earlier steps that have arrived."""
+        if self.leaving is not None:
+            self.leaving.deliver(hand_on, wait=False)
         if not self.step:
             return
-        rows = self.buffers.rows
-        if rows.device.type != "cpu":
-            rows = rows[:, : self.step_tokens].to("cpu")
-        for kept, token, row, length in self.step:
-            kept.room(row + length)
-            for tensor, slot in zip(kept.tensors, kept.slots):
-                tensor[row : row + length].copy_(rows[slot, token : token + length])
-            kept.filled = max(kept.filled, row + length)
-            self.rows_kept += length
+        if self.leaving is None:
+            hand_on(self.buffers.rows, self.step)
+        else:
+            self.leaving.send(self.step, self.step_tokens)
+        self.rows_kept += sum(length for *_, length in self.step)
         self.step = []
 
     def take(self, keys: Sequence[str], packed: bool) -> dict[str, dict[str, dict[str, Any]]]:
         """The rows of the requests carrying capture ``keys``: ``{key: {request id: {value name: [kept, hidden]}}}``
         (one request id per completion), handed over and forgotten here; each tensor `packed` where the rows
         leave this process (an RPC result crosses processes as plain data)."""
+        if self.leaving is not None:  # the rows still on their way from the accelerator arrive first
+            self.leaving.deliver(hand_on, wait=True)
         wanted = set(keys)
         found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         for entry, kept in list(self.finished.items()):
@@ -311,7 +403,19 @@ class Capturer:
             "rows_kept": self.rows_kept,
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),
+            "steps_on_the_way": len(self.leaving.on_the_way) if self.leaving is not None else 0,
         }
 
 
-__all__ = ["Capturer", "KeptRows", "keep_rows", "locate", "pack", "standard_tree", "unpack"]
+__all__ = [
+    "Capturer",
+    "KeptRows",
+    "RowsLeaving",
+    "hand_on",
+    "keep_rows",
+    "keeps_rows",
+    "locate",
+    "pack",
+    "standard_tree",
+    "unpack",
+]

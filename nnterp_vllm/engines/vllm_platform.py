@@ -58,6 +58,7 @@ __all__ = [
     "PlatformVLLM",
     "accelerator_noop",
     "blocks_to_run",
+    "choose_model_runner",
     "engine_kwargs",
     "is_cpu_platform",
     "run_first_blocks",
@@ -72,6 +73,40 @@ logger = logging.getLogger(__name__)
 CPU_WORKER_CLS = f"{__name__}.NNsightCPUWorker"
 #: The same on vLLM's GPU platforms: nnsight's GPU worker with this library's runner.
 CUDA_WORKER_CLS = f"{__name__}.NNsightCUDAWorker"
+
+#: vLLM's environment variable choosing its model runner: V2 wherever Triton works unless it says otherwise.
+RUNNER_SETTING = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def choose_model_runner(engine: str) -> None:
+    """Make the vLLM engines built after this call, in this process and the processes it starts, run vLLM's V1
+    model runner: the runner that nnsight, the steering table and the capture operations instrument.
+
+    vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` as it builds an engine's config (its scheduler and input processor
+    in the client follow the choice, as its worker does) and, where it is unset, picks its V2 runner wherever
+    Triton works: every CUDA node, never the CPU build, whose Triton has no CPU backend. So the choice is made
+    here, explicitly, before ``engine`` makes its config: the setting becomes ``0`` and vLLM's cache of its
+    environment, which an in-process engine built earlier may have filled, is dropped. One log line says which
+    runner runs and why. A caller who asked for the V2 runner is refused, naming the setting.
+    """
+    asked = os.environ.get(RUNNER_SETTING)
+    if asked not in (None, "", "0"):
+        raise NotImplementedError(
+            f"{RUNNER_SETTING}={asked!r} asks for vLLM's V2 model runner, but {engine} instruments its V1 runner "
+            f"(steering, capture and nnsight interventions would not run). Unset {RUNNER_SETTING} or set it to 0."
+        )
+    os.environ[RUNNER_SETTING] = "0"
+    from vllm import envs
+
+    if envs._is_envs_cache_enabled():
+        envs.disable_envs_cache()
+    logger.info(
+        "%s runs vLLM's V1 model runner (%s=0): the runner its operations are installed on; vLLM would pick "
+        "its V2 runner wherever Triton works",
+        engine,
+        RUNNER_SETTING,
+    )
+
 
 #: KV cache given to a CPU engine unless the caller sizes it. Without an explicit size vLLM's CPU
 #: worker reserves ``gpu_memory_utilization`` (0.92) of the NUMA node's memory and fails.
@@ -328,18 +363,36 @@ def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"kv_cache_memory_bytes": budget, "max_model_len": fits}
 
 
+#: The share of an accelerator a `PlatformVLLM` (the nnsight engine of a notebook) takes unless told: it shares
+#: its device with other models (a transformers model, an SAE), where vLLM's own default is for an engine alone.
+NOTEBOOK_GPU_MEMORY_UTILIZATION = 0.5
+
+
 class PlatformVLLM(VLLM):
     """nnsight's ``VLLM``, made to run on vLLM's CPU build as on its GPU platforms.
 
     On CPU: the engine's worker is :data:`CPU_WORKER_CLS`, the meta build runs under
     :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Elsewhere the worker is
-    :data:`CUDA_WORKER_CLS`. Takes exactly the arguments of nnsight's ``VLLM``.
+    :data:`CUDA_WORKER_CLS` and the engine takes `NOTEBOOK_GPU_MEMORY_UTILIZATION` of the device unless told.
+    Either way vLLM's V1 model runner is chosen first (`choose_model_runner`). Takes exactly the arguments of
+    nnsight's ``VLLM``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # A wrapped, already loaded module (nnsight's worker-side form) carries no engine settings.
         if not (args and isinstance(args[0], torch.nn.Module)):
+            choose_model_runner(type(self).__name__)
             kwargs = engine_kwargs(str(args[0]) if args else None, **kwargs)
+            sized = "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs
+            if not is_cpu_platform() and not sized:
+                kwargs["gpu_memory_utilization"] = NOTEBOOK_GPU_MEMORY_UTILIZATION
+                logger.info(
+                    "%s takes at most %d%% of the device (gpu_memory_utilization=%s), leaving room for other models "
+                    "in this process; pass gpu_memory_utilization= (or kv_cache_memory_bytes=) to choose",
+                    type(self).__name__,
+                    round(100 * NOTEBOOK_GPU_MEMORY_UTILIZATION),
+                    NOTEBOOK_GPU_MEMORY_UTILIZATION,
+                )
         super().__init__(*args, **kwargs)
 
     @property
@@ -447,11 +500,11 @@ def shutdown_llm(llm: Any) -> None:
 
 
 def _define_worker_classes() -> None:
-    """Build the worker and model-runner classes (:data:`_WORKER_CLASSES`) into this module."""
+    """Build this platform's worker and model-runner classes (:data:`_WORKER_CLASSES`) into this module: the CPU
+    build's pair on its platform, the CUDA pair elsewhere. Nothing of the CPU build is imported off its platform
+    (its worker module replaces ``torch.cuda``'s events and streams process-wide as it is imported)."""
     from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
     from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
 
     from .containment import keep_kv_cache_finite
     from .saving import mark_in_worker
@@ -466,13 +519,33 @@ def _define_worker_classes() -> None:
     class StandardizedRunner:
         """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`, its model runs
         only the first blocks where ``additional_config`` asks (`run_first_blocks`), and its attention layers
-        cache only finite keys and values (`containment`)."""
+        cache only finite keys and values (`containment`). It reads the model vLLM loaded (``get_model()``), never
+        the CUDA-graph wrapper vLLM may put around it."""
 
         def load_model(self, *args: Any, **kwargs: Any) -> None:
             super().load_model(*args, **kwargs)  # type: ignore[misc]
-            run_first_blocks(self.model, self.vllm_config)  # type: ignore[attr-defined]
-            keep_kv_cache_finite(self.model)  # type: ignore[attr-defined]
+            model = self.get_model()  # type: ignore[attr-defined]
+            run_first_blocks(model, self.vllm_config)  # type: ignore[attr-defined]
+            keep_kv_cache_finite(model)
             self.nnsight_requests.__class__ = StandardizedRequests
+
+    if not is_cpu_platform():
+
+        class NNsightCUDAModelRunner(StandardizedRunner, NNsightGPUModelRunner):
+            """nnsight's model runner on vLLM's GPU platforms, with `StandardizedRequests`."""
+
+        class NNsightCUDAWorker(NNsightGPUWorker):
+            """nnsight's GPU worker whose runner is :class:`NNsightCUDAModelRunner`."""
+
+            def init_device(self) -> None:
+                super().init_device()
+                self.model_runner.__class__ = NNsightCUDAModelRunner
+
+        publish(globals(), NNsightCUDAModelRunner, NNsightCUDAWorker)
+        return
+
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
     class NNsightCPUModelRunner(StandardizedRunner, NNsightGPUModelRunner, CPUModelRunner):
         """nnsight's model runner over vLLM's CPU runner.
@@ -483,35 +556,32 @@ def _define_worker_classes() -> None:
         this class adds constructor state, so an already built ``CPUModelRunner`` can be re-classed.
         """
 
-    class NNsightCUDAModelRunner(StandardizedRunner, NNsightGPUModelRunner):
-        """nnsight's model runner on vLLM's GPU platforms, with `StandardizedRequests`."""
-
     class NNsightCPUWorker(CPUWorker):
         """vLLM's CPU worker whose model runner interleaves nnsight interventions."""
 
         def init_device(self) -> None:
             """Bring up the CPU device and runner, then swap in :class:`NNsightCPUModelRunner`."""
             super().init_device()
-            runner = self.model_runner
-            if type(runner) is not CPUModelRunner:
-                raise NotImplementedError(
-                    f"nnsight instruments vLLM's V1 CPUModelRunner, but this worker built "
-                    f"{type(runner).__module__}.{type(runner).__name__}. Unset VLLM_USE_V2_MODEL_RUNNER."
-                )
-            runner.__class__ = NNsightCPUModelRunner
-
-    class NNsightCUDAWorker(NNsightGPUWorker):
-        """nnsight's GPU worker whose runner is :class:`NNsightCUDAModelRunner`."""
-
-        def init_device(self) -> None:
-            super().init_device()
-            self.model_runner.__class__ = NNsightCUDAModelRunner
+            refuse_other_runner(self.model_runner, CPUModelRunner, "nnsight")
+            self.model_runner.__class__ = NNsightCPUModelRunner
 
     # The same RPC methods as nnsight's GPU worker: they only forward to the runner.
     for name in _NNSIGHT_RPC_METHODS:
         setattr(NNsightCPUWorker, name, getattr(NNsightGPUWorker, name))
 
-    publish(globals(), NNsightCPUModelRunner, NNsightCUDAModelRunner, NNsightCPUWorker, NNsightCUDAWorker)
+    publish(globals(), NNsightCPUModelRunner, NNsightCPUWorker)
+
+
+def refuse_other_runner(runner: Any, expected: type, instrumented_by: str) -> None:
+    """Raise where a worker built another model runner than vLLM's V1 ``expected`` one (`choose_model_runner`
+    makes that choice before the engine's config is built; this is the worker's own check of it)."""
+    if type(runner) is not expected:
+        raise NotImplementedError(
+            f"{instrumented_by} instruments vLLM's V1 {expected.__name__}, but this worker built "
+            f"{type(runner).__module__}.{type(runner).__name__}: the engine's config chose another runner "
+            f"({RUNNER_SETTING}={os.environ.get(RUNNER_SETTING)!r} in the worker). Build the engine through this "
+            "library's classes, which choose the V1 runner before vLLM's config is made."
+        )
 
 
 def publish(namespace: dict[str, Any], *classes: type) -> None:

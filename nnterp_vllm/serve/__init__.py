@@ -42,7 +42,7 @@ def parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ..engines.steered import ROWS_PER_REQUEST
+    from ..engines.steered_settings import ROWS_PER_REQUEST
     from .fields import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
 

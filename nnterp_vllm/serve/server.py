@@ -42,7 +42,8 @@ from vllm.usage.usage_lib import UsageContext
 from ..capture import Capture, kept_count
 from ..engines.capture import pack
 from ..engines.compile_cache import start_recompiling_once
-from ..engines.steered import AsyncSteeredVLLM, steered_engine_args
+from ..engines.steered import AsyncSteeredVLLM
+from ..engines.steered_settings import steered_engine_args
 from ..steering import Steering
 from .errors import InvalidField, error_json, error_response, naming, refusal
 from .fields import (

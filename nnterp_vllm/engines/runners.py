@@ -1,0 +1,172 @@
+"""The steered engine's worker and model runner: vLLM's own for the platform, with the steering and capture
+operations installed as the model loads and their buffers filled before each step.
+
+The worker is vLLM's ``CPUWorker`` on the CPU build and its GPU ``Worker`` elsewhere; its model runner is vLLM's V1
+runner of that platform with `SteeringModelRunner` mixed in front. Nothing of the CPU build is imported off the
+CPU platform: its worker module replaces parts of ``torch.cuda`` process-wide as it is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import containment
+from .capture import CAPTURE_SETTING, Capturer, keeps_rows
+from .steered_settings import CONFIG_KEY, WORKER_CLASSES
+from .steering_table import Steerer, table_rows
+from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
+
+
+class SteeringModelRunner:
+    """Mixed in front of vLLM's model runner: installs the steering and capture operations at load, fills the
+    steering table and lays out the kept rows before each step, sends the kept rows out after it."""
+
+    _steerer: Steerer
+    _capturer: Capturer
+    #: Set by the worker on an accelerator: what its memory profile will grant this engine.
+    memory_budget: MemoryBudget | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Load as vLLM does, then keep its KV cache finite (`containment`) and add the operations before anything
+        compiles the model (steering first, so a value kept at a steered block's output is the steered stream).
+
+        Everything reads the model vLLM loaded (``get_model()``), never the CUDA-graph wrapper vLLM puts around it
+        on GPUs. The operations' buffers are allocated here, before vLLM profiles memory, so its profile counts
+        them; on an accelerator they are first checked against what the engine may still take."""
+        super().load_model(*args, **kwargs)
+        model = self.get_model()
+        containment.keep_kv_cache_finite(model)
+        run_first_blocks(model, self.vllm_config)
+        names = self.vllm_config.additional_config[CONFIG_KEY].get(CAPTURE_SETTING, [])
+        if self.memory_budget is not None:
+            sizes = buffer_sizes(self.vllm_config, names, self.device, keeps_rows())
+            check_room(sizes, self.memory_budget.left(self.device))
+        self._steerer = Steerer(model, self.vllm_config, self.device)
+        self._capturer = Capturer(model, self.vllm_config, self.device, names)
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        batch = self.input_batch
+        self._steerer.fill(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+        self._capturer.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+        return prepared
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().execute_model(*args, **kwargs)
+        self._capturer.gather()
+        return output
+
+    def _on_request_state_removed(self, req_id: str, req_state: Any) -> None:
+        super()._on_request_state_removed(req_id, req_state)
+        self._steerer.forget(req_id)
+        self._capturer.forget(req_id)
+
+
+@dataclasses.dataclass
+class MemoryBudget:
+    """What vLLM's GPU worker measured as it started: the device's free memory then, the share of the device the
+    engine may take (``gpu_memory_utilization``), and the KV cache size the caller fixed, if any."""
+
+    free_at_start: int
+    requested: int
+    kv_cache_bytes: int | None
+
+    def left(self, device: torch.device) -> int:
+        """Bytes of ``device`` the engine may still take now (its weights loaded), by vLLM's own accounting."""
+        free, _ = torch.get_device_module(device).mem_get_info(device)
+        if self.kv_cache_bytes:
+            return free - self.kv_cache_bytes
+        return min(free, self.requested - (self.free_at_start - free))
+
+
+def buffer_sizes(
+    vllm_config: Any, capture_names: Sequence[str], device: torch.device, keeps: bool = True
+) -> dict[str, int]:
+    """Bytes of the device buffers a steered engine of ``vllm_config`` allocates on ``device`` as it loads: the
+    steering table and its token index, and (where this rank ``keeps`` rows: `keeps_rows`) the capture buffer,
+    twice on an accelerator (its staging copy, `RowsLeaving`)."""
+    model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+    element = torch.empty((), dtype=model_config.dtype).element_size()
+    hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
+    layers = model_config.hf_text_config.num_hidden_layers
+    sizes = {"steering table": layers * table_rows(vllm_config) * hidden * element + tokens * 8}
+    if capture_names and keeps:
+        copies = 1 if device.type == "cpu" else 2
+        sizes["capture buffers"] = copies * len(capture_names) * tokens * hidden * element
+    return sizes
+
+
+def check_room(sizes: dict[str, int], left: int) -> None:
+    """Refuse, naming the sizes, buffers (``sizes``: bytes by name) that do not fit in the ``left`` bytes."""
+    needed = sum(sizes.values())
+    if needed <= left:
+        return
+    each = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in sizes.items())
+    raise ValueError(
+        f"the steered engine's buffers need {needed / 2**30:.2f} GiB ({each}), but {max(left, 0) / 2**30:.2f} GiB "
+        "of the device is left to this engine after its weights (gpu_memory_utilization, or kv_cache_memory_bytes). "
+        "Lower max_num_batched_tokens, steering_rows_per_request or the capture_values kept, or raise "
+        "gpu_memory_utilization."
+    )
+
+
+def _define_worker_classes() -> None:
+    """Build the steering worker and runner of this platform into this module."""
+    if is_cpu_platform():
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner as Runner
+        from vllm.v1.worker.cpu_worker import CPUWorker as Worker
+
+        names = ("SteeringCPUModelRunner", "SteeringCPUWorker")
+    else:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
+        from vllm.v1.worker.gpu_worker import Worker
+
+        names = ("SteeringGPUModelRunner", "SteeringGPUWorker")
+
+    runner_class = type(names[0], (SteeringModelRunner, Runner), {"__doc__": f"vLLM's {Runner.__name__}, steering."})
+
+    def init_device(self: Any) -> None:
+        Worker.init_device(self)
+        refuse_other_runner(self.model_runner, Runner, "the steered engine")
+        self.model_runner.__class__ = runner_class
+        snapshot = getattr(self, "init_snapshot", None)
+        if snapshot is not None and self.device.type != "cpu":
+            self.model_runner.memory_budget = MemoryBudget(
+                snapshot.free_memory, self.requested_memory, self.cache_config.kv_cache_memory_bytes
+            )
+
+    def steering_stats(self: Any) -> dict[str, Any]:
+        return self.model_runner._steerer.stats()
+
+    def capture_stats(self: Any) -> dict[str, Any]:
+        return self.model_runner._capturer.stats()
+
+    def capture_places(self: Any) -> dict[str, Any]:
+        capturer = self.model_runner._capturer
+        return {"reasons": capturer.reasons, "places": capturer.places}
+
+    def take_captured(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
+        return self.model_runner._capturer.take(keys, packed)
+
+    worker_class = type(
+        names[1],
+        (Worker,),
+        {
+            "__doc__": f"vLLM's {Worker.__name__} whose runner steers and captures.",
+            "init_device": init_device,
+            "steering_stats": steering_stats,
+            "capture_stats": capture_stats,
+            "capture_places": capture_places,
+            "take_captured": take_captured,
+        },
+    )
+    publish(globals(), runner_class, worker_class)
+
+
+#: The worker classes are built on first access, in whichever process vLLM imports them.
+__getattr__ = built_on_access(globals(), WORKER_CLASSES, _define_worker_classes)

@@ -1,0 +1,137 @@
+"""The engine arguments of a steered engine: its worker, scheduler and settings, checked before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+
+from .. import capture as capture_specs
+from .. import families
+from ..components import values as values_module
+from ..components import vllm as on_vllm
+from ..standardized import Standardized
+from . import capture as in_engine_capture
+from . import containment
+from .capture import CAPTURE_SETTING
+from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform
+
+#: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
+CONFIG_KEY = "nnterp_vllm_steering"
+#: Distinct steering rows one request may need unless the engine is built with another number.
+ROWS_PER_REQUEST = 2
+#: vLLM engine arguments the steered engine sets itself or cannot serve.
+_REFUSED = {
+    "worker_cls": "the steered engine runs its own worker (vLLM's worker for the platform, re-classed runner)",
+    "scheduler_cls": "the steered engine runs vLLM's own scheduler, keeping steered generated tokens out of its cache",
+    "speculative_config": "draft tokens would need their own steering rows; speculative decoding is not supported",
+    "pipeline_parallel_size": "every rank holds every block's steering; pipeline parallelism is not supported",
+}
+#: Dotted paths of the worker classes vLLM instantiates in each worker process, by platform.
+RUNNERS_MODULE = "nnterp_vllm.engines.runners"
+WORKERS = {"cpu": f"{RUNNERS_MODULE}.SteeringCPUWorker", "gpu": f"{RUNNERS_MODULE}.SteeringGPUWorker"}
+#: The classes `runners` builds on first access: the CPU build's pair on its platform, the GPU pair elsewhere.
+WORKER_CLASSES = ("SteeringCPUWorker", "SteeringGPUWorker", "SteeringCPUModelRunner", "SteeringGPUModelRunner")
+#: Dotted path of the steered engine's scheduler.
+SCHEDULER = "nnterp_vllm.engines.scheduling.PromptCachingScheduler"
+
+
+def steering_settings(
+    model: Any, given: dict[str, Any], rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+) -> dict:
+    """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
+
+    The steering worker, its settings in ``additional_config`` (the values it keeps, ``capture_values``,
+    among them; they also key vLLM's compile cache apart from plain vLLM's) and this platform's defaults
+    (`engine_kwargs`). Refuses what the steered engine cannot serve, a model no vLLM family serves, and
+    values it cannot keep, before anything loads.
+    """
+    refused = {
+        "worker_cls": given.get("worker_cls") not in (None, "auto"),
+        "scheduler_cls": given.get("scheduler_cls") is not None,
+        "speculative_config": given.get("speculative_config") is not None or given.get("spec_method") is not None,
+        "pipeline_parallel_size": given.get("pipeline_parallel_size") not in (None, 1),
+    }
+    for name, bad in refused.items():
+        if bad:
+            raise ValueError(f"{name} is refused by the steered engine: {_REFUSED[name]}")
+    choose_model_runner("the steered engine")
+    if not isinstance(rows_per_request, int) or isinstance(rows_per_request, bool) or rows_per_request < 1:
+        raise ValueError(f"steering_rows_per_request must be an int >= 1, got {rows_per_request!r}")
+    config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
+    families.lookup(Standardized._model_type(config), engine=families.VLLM)
+    additional = dict(given.get("additional_config") or {})
+    kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
+    additional[CONFIG_KEY] = {"rows_per_request": rows_per_request, "code": _code_digest(), CAPTURE_SETTING: kept}
+    plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
+    # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
+    placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
+    # What this platform's defaults add or replace (the executor of a CPU engine's ranks among them).
+    changed = {name: value for name, value in placed.items() if name not in plain or value is not plain[name]}
+    return {
+        **changed,
+        "worker_cls": WORKERS["cpu" if is_cpu_platform() else "gpu"],
+        "scheduler_cls": SCHEDULER,
+    }
+
+
+def kept_values(capture_values: Any, num_layers: int, additional_config: dict[str, Any]) -> list[str]:
+    """The value names an engine built with ``capture_values`` keeps (none for ``None``), checked as `Capture`
+    checks its values; ValueError for a value after the blocks the engine runs (``additional_config``)."""
+    if capture_values is None:
+        return []
+    names = capture_specs.value_names(capture_specs.static_selectors(capture_values, "capture_values"), num_layers)
+    blocks = blocks_to_run(additional_config, num_layers)
+    deeper = [
+        name
+        for name in names
+        if (name == "final_norm_output" and blocks < num_layers)
+        or (name.startswith("layers.") and int(name.split(".")[1]) >= blocks)
+    ]
+    if deeper:
+        raise ValueError(
+            f"capture_values: {', '.join(deeper)} lie after the {blocks} blocks this engine runs "
+            "(additional_config's first-blocks setting); keep earlier values or run every block"
+        )
+    return names
+
+
+def steered_engine_args(
+    engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+) -> EngineArgs:
+    """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
+    ``capture_values``."""
+    names = (
+        "worker_cls",
+        "scheduler_cls",
+        "speculative_config",
+        "spec_method",
+        "pipeline_parallel_size",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+        "revision",
+        "trust_remote_code",
+        "kv_cache_memory_bytes",
+        "additional_config",
+    )
+    given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
+    settings = steering_settings(engine_args.model, given, rows_per_request, capture_values)
+    return dataclasses.replace(engine_args, **settings)
+
+
+def _code_digest() -> str:
+    """A digest of the code the compiled graph traces through here (a change recompiles)."""
+    here = Path(__file__).parent
+    sources = [
+        *(here.joinpath(name).read_text() for name in ("steering_table.py", "runners.py")),
+        inspect.getsource(in_engine_capture),
+        inspect.getsource(containment),
+        inspect.getsource(on_vllm),
+        inspect.getsource(values_module),
+    ]
+    return hashlib.sha256("".join(sources).encode()).hexdigest()[:16]
+

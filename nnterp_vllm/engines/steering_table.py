@@ -1,0 +1,273 @@
+"""The steering table of the steered engine, on its worker: one static operation at every standardized block.
+
+At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
+exactly where `Standardized.steer` adds) a forward hook adds ``table[layer][row_of_token]``: ``table`` is a
+``[layers, rows, hidden]`` buffer whose row 0 stays zero, ``row_of_token`` a ``[max_num_batched_tokens]`` index.
+Both are allocated once, as the model loads (before vLLM profiles memory and compiles the model), and only ever
+written in place before each step, from the scheduled requests (their specs ride ``SamplingParams.extra_args``)
+and each token's position: the compiled graph, and the CUDA graphs captured over these very buffers on GPUs,
+serve every step and any mix of requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import families
+from ..components import first_tensor
+from ..components import vllm as on_vllm
+from ..errors import UnsupportedFamily
+from ..standardized import Standardized
+from ..steering import EXTRA_ARGS_KEY, TokenSets, token_sets
+from .steered_settings import CONFIG_KEY
+
+#: How many times a steering operation ran as Python rather than inside a compiled graph, in this process.
+EAGER_CALLS = 0
+
+
+# -- worker side --------------------------------------------------------------------------------------
+
+
+class SteeringTable(torch.nn.Module):
+    """The per-step steering buffers: ``table [layers, rows, hidden]`` (row 0 zeros) and ``row_of_token``.
+
+    Registered on every steered block (non-persistent buffers: no weight file names them), so the
+    compiled graph reads them as inputs at stable module paths; they are only ever written in place.
+    """
+
+    def __init__(self, layers: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        with torch.inference_mode(False):
+            self.register_buffer("table", torch.zeros(layers, rows, hidden, dtype=dtype, device=device), False)
+            self.register_buffer("row_of_token", torch.zeros(tokens, dtype=torch.long, device=device), False)
+
+    def delta(self, layer: int, tokens: int) -> torch.Tensor:
+        """``[tokens, hidden]``: each token's vector at ``layer``."""
+        return self.table[layer].index_select(0, self.row_of_token[:tokens])
+
+
+def table_rows(vllm_config: Any) -> int:
+    """Rows of an engine's steering table: row 0 (zeros) and room for every scheduled request's distinct rows."""
+    scheduler = vllm_config.scheduler_config
+    per_request = vllm_config.additional_config[CONFIG_KEY]["rows_per_request"]
+    return 1 + min(scheduler.max_num_batched_tokens, per_request * scheduler.max_num_seqs)
+
+
+def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of a steered block: its output with each token's steering vector added to the stream."""
+    global EAGER_CALLS
+    if not torch.compiler.is_compiling():  # folded away when traced: counts only runs outside a compiled graph
+        EAGER_CALLS += 1
+    tokens = first_tensor(output).shape[0]
+    return block.nnterp_layer_output.with_added(output, block.nnterp_steering.delta(block.nnterp_layer, tokens))
+
+
+def steered_blocks(model: torch.nn.Module, model_type: str) -> list[tuple[torch.nn.Module, Any]]:
+    """The standardized blocks of a vLLM model in order, each with its family's ``layer_output`` value."""
+    family = families.lookup(model_type, engine=families.VLLM)
+    container = next((path for path, name in family.RENAME.items() if "layers" in _names(name)), None)
+    try:
+        blocks = model.get_submodule(container) if container else None
+    except AttributeError:
+        blocks = None
+    if blocks is None:
+        raise UnsupportedFamily(f"{family.__name__}: no module {container!r} holds the blocks of {type(model)}")
+    found = []
+    for block in blocks:
+        envoy = next((family.ENVOYS[cls] for cls in type(block).__mro__ if cls in family.ENVOYS), None)
+        value = getattr(envoy, "layer_output", None)
+        if not isinstance(value, on_vllm.Flat) or value.key != "output":
+            raise UnsupportedFamily(
+                f"{family.__name__} serves layer_output of {type(block).__name__} elsewhere than its output; "
+                "the steered engine adds at a block's output"
+            )
+        found.append((block, value))
+    return found
+
+
+def _names(name: Any) -> list[str]:
+    return name if isinstance(name, list) else [name]
+
+
+@dataclasses.dataclass
+class RequestRows:
+    """A steered request, as the runner keeps it: its token sets, each named by the key of its row content."""
+
+    tokens: TokenSets
+    prompt: tuple | None
+    generated: tuple | None
+    listed: dict[int, tuple | None]
+
+
+class Steerer:
+    """Installs the steering operation on a loaded model and fills its buffers before each step."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
+        model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+        blocks = steered_blocks(model, Standardized._model_type(model_config.hf_config))
+        if len(blocks) != model_config.hf_text_config.num_hidden_layers:
+            raise UnsupportedFamily(
+                f"found {len(blocks)} blocks in {type(model).__name__}, but its config has "
+                f"num_hidden_layers={model_config.hf_text_config.num_hidden_layers}"
+            )
+        hidden = model_config.get_hidden_size()
+        tokens = scheduler.max_num_batched_tokens
+        rows = table_rows(vllm_config)
+        self.buffers = SteeringTable(len(blocks), rows, tokens, hidden, model_config.dtype, device)
+        for index, (block, value) in enumerate(blocks):
+            block.nnterp_steering = self.buffers
+            block.nnterp_layer = index
+            block.nnterp_layer_output = value
+            block.register_forward_hook(steer_block)
+        self.num_layers, self.hidden = len(blocks), hidden
+        # On an accelerator the token rows and each new row's content are written into pinned host memory and
+        # copied over without blocking, on the compute stream, before the step's forward. `fill` runs inside vLLM's
+        # input preparation, which (under async scheduling) waits for the previous step's copies to have left
+        # those host buffers before it starts (``synchronize_input_prep``), and otherwise follows the previous
+        # step's synchronized output: no host buffer is written while a copy from it is pending.
+        on_host = device.type == "cpu"
+        self.host_rows = (
+            self.buffers.row_of_token if on_host else torch.zeros(tokens, dtype=torch.long, pin_memory=True)
+        )
+        self.host_contents = (
+            None if on_host else torch.zeros(rows, len(blocks), hidden, dtype=model_config.dtype, pin_memory=True)
+        )
+        self.host_rows_np = self.host_rows.numpy()
+        self.written = 0
+        self.requests: dict[str, RequestRows | None] = {}
+        #: Row content by key (a sorted tuple of spec digests), for the keys of live requests.
+        self.contents: dict[tuple, list[tuple[list[int], float, list[float]]]] = {}
+        self.users: collections.Counter = collections.Counter()
+        #: Resident rows by content key, least recently used first; free rows.
+        self.row_of_key: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self.free_rows = list(range(rows - 1, 0, -1))
+        self.row_writes = 0
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def request(self, request_id: str, state: Any) -> RequestRows | None:
+        """The steering of a scheduled request (parsed once from its sampling params)."""
+        if request_id in self.requests:
+            return self.requests[request_id]
+        extra = getattr(state.sampling_params, "extra_args", None) or {}
+        wire = extra.get(EXTRA_ARGS_KEY)
+        rows = None
+        if wire is not None:
+            tokens = token_sets(wire)
+            specs = [(spec["layers"], spec["factor"], spec["vector"]) for spec in wire["specs"]]
+
+            def key(indices: tuple[int, ...]) -> tuple | None:
+                if not indices:
+                    return None
+                named = tuple(sorted(wire["digests"][i] for i in indices))
+                if named not in self.contents:
+                    self.contents[named] = [specs[i] for i in sorted(indices, key=lambda i: wire["digests"][i])]
+                self.users[named] += 1
+                return named
+
+            listed = {position: key(indices) for position, indices in tokens.listed.items()}
+            rows = RequestRows(tokens, key(tokens.prompt), key(tokens.generated), listed)
+        self.requests[request_id] = rows
+        return rows
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request; its rows stay resident until another key needs the room."""
+        rows = self.requests.pop(request_id, None)
+        if rows is None:
+            return
+        for named in self._keys(rows):
+            self.users[named] -= 1
+            if self.users[named] <= 0:
+                del self.users[named], self.contents[named]
+
+    # -- per step -------------------------------------------------------------------------------------
+
+    def fill(self, request_ids: Sequence[str], scheduled: np.ndarray, computed: np.ndarray, states: dict) -> None:
+        """Set each scheduled token's row, writing the rows of contents not resident yet.
+
+        Tokens are laid out as vLLM lays them: the input batch's requests in order, each its
+        ``scheduled[i]`` tokens at positions ``computed[i]`` onwards.
+        """
+        plan = []
+        offset = 0
+        for i, request_id in enumerate(request_ids):
+            rows = self.request(request_id, states[request_id])
+            if rows is not None:
+                plan.append((offset, int(computed[i]), int(scheduled[i]), rows))
+            offset += int(scheduled[i])
+        if not plan and not self.written:
+            return
+        needed = {named for *_, rows in plan for named in self._keys(rows)}
+        row = {named: self._resident(named, needed) for named in needed}
+        target = self.host_rows_np
+        dirty = max(offset, self.written)  # rows beyond this step's tokens (padding) must read row 0 too
+        target[:dirty] = 0
+        for start, position, count, rows in plan:
+            self._mark(target, start, position, count, rows, row)
+        self.written = offset if plan else 0
+        if self.host_rows is not self.buffers.row_of_token:
+            # An in-place write into the index the compiled graph (and its CUDA graphs) read: never a new tensor.
+            self.buffers.row_of_token[:dirty].copy_(self.host_rows[:dirty], non_blocking=True)
+
+    @staticmethod
+    def _keys(rows: RequestRows) -> list[tuple]:
+        return [named for named in (rows.prompt, rows.generated, *rows.listed.values()) if named is not None]
+
+    def _mark(self, target: np.ndarray, start: int, position: int, count: int, rows: RequestRows, row: dict) -> None:
+        """Rows of one request's ``count`` tokens from ``position``, laid out from ``start``."""
+        length = rows.tokens.prompt_length
+        end = position + count
+        prompt_end = min(end, length)
+        if position < prompt_end:
+            if rows.prompt is not None:
+                target[start : start + prompt_end - position] = row[rows.prompt]
+            for listed, named in rows.listed.items():
+                if position <= listed < prompt_end and named is not None:
+                    target[start + listed - position] = row[named]
+        if end > length and rows.generated is not None:
+            first = max(position, length)
+            target[start + first - position : start + count] = row[rows.generated]
+
+    def _resident(self, named: tuple, needed: set) -> int:
+        """The row holding ``named``'s content, written into a free or least recently used row if need be."""
+        if named in self.row_of_key:
+            self.row_of_key.move_to_end(named)
+            return self.row_of_key[named]
+        if self.free_rows:
+            row = self.free_rows.pop()
+        else:
+            evicted = next(key for key in self.row_of_key if key not in needed)
+            row = self.row_of_key.pop(evicted)
+        content = torch.zeros(self.num_layers, self.hidden, dtype=torch.float32)
+        for layers, factor, vector in self.contents[named]:
+            content[layers] += factor * torch.tensor(vector, dtype=torch.float32)
+        if self.host_contents is None:
+            self.buffers.table[:, row].copy_(content)
+        else:
+            self.host_contents[row].copy_(content)
+            self.buffers.table[:, row].copy_(self.host_contents[row], non_blocking=True)
+        self.row_of_key[named] = row
+        self.row_writes += 1
+        return row
+
+    def stats(self) -> dict[str, Any]:
+        """What a test or benchmark reads: eager runs of the operation, rows, and vLLM's compile counters."""
+        from torch._dynamo.utils import counters
+        from vllm.compilation.counter import compilation_counter
+
+        return {
+            "eager_calls": EAGER_CALLS,
+            "rows": self.buffers.table.shape[1],
+            "resident_rows": len(self.row_of_key),
+            "row_writes": self.row_writes,
+            "live_requests": len(self.requests),
+            "compilation": dataclasses.asdict(compilation_counter),
+            "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        }
+

@@ -1,0 +1,315 @@
+"""vLLM's GPU code paths, checked on its CPU build: what a CUDA node runs that this machine can emulate.
+
+- The model-runner choice: vLLM picks its V2 runner wherever Triton works (every CUDA node); every engine of ours
+  chooses the V1 runner before vLLM's config is made, here with vLLM's config made to prefer V2 as it does there.
+- Off the CPU platform (a subprocess whose vLLM reports a CUDA platform), building every worker class the engines
+  would use imports nothing of vLLM's CPU worker, which would replace ``torch.cuda``'s events and streams.
+- Under CUDA graphs vLLM's GPU runner wraps the model in its ``CUDAGraphWrapper``: the steered engine with the
+  model wrapped as ``GPUModelRunner.load_model`` wraps it steers and captures exactly as the unwrapped one.
+- Kept rows leaving an accelerator (`RowsLeaving`): staged, copied on a stream of their own and handed on only
+  once the copy's event has completed, in step order, with a stand-in for the device's streams and events.
+- The device-memory check of the steered engine's buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import tiny
+import torch
+from vllm import SamplingParams
+
+from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
+from nnterp_vllm.engines.capture import KeptRows, RowsLeaving, hand_on
+from nnterp_vllm.engines.runners import buffer_sizes, check_room
+from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+PROMPTS = ["The quick brown fox jumps", "A cup of coffee", "Rome was not built in a day, they say"]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny.checkpoint("llama")
+
+
+@pytest.fixture
+def vllm_prefers_v2(monkeypatch):
+    """vLLM's config as it is wherever Triton works: the V2 runner unless ``VLLM_USE_V2_MODEL_RUNNER`` says not."""
+    from vllm import envs
+    from vllm.config import VllmConfig
+    from vllm.config import vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setattr(VllmConfig, "_get_v2_model_runner_unsupported_features", lambda self: [])
+    monkeypatch.delenv(RUNNER_SETTING, raising=False)
+    envs.disable_envs_cache()  # an engine built earlier in this process cached the environment it saw
+
+
+def test_vllm_prefers_its_v2_runner_where_triton_works(vllm_prefers_v2, path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(path), kv_cache_memory_bytes=2**24, enforce_eager=True).create_engine_config()
+    assert config.use_v2_model_runner
+
+
+@pytest.mark.parametrize("engine", [SteeredVLLM, StandardizedVLLM])
+def test_every_engine_chooses_the_v1_runner_before_its_config_and_says_so(vllm_prefers_v2, path, engine, caplog):
+    with caplog.at_level(logging.INFO, logger="nnterp_vllm.engines.vllm_platform"):
+        if engine is SteeredVLLM:
+            model = SteeredVLLM(path, enforce_eager=True, max_model_len=128)
+            config = model.llm_engine.vllm_config
+            steered = model.generate(PROMPTS[:1], SamplingParams(**GREEDY), Steering(0, [1.0] * 128), use_tqdm=False)
+            assert len(steered[0].outputs[0].token_ids) == GREEDY["max_tokens"]
+            model.shutdown()
+        else:
+            model = StandardizedVLLM(str(path), dispatch=True, max_model_len=128)
+            config = model.vllm_entrypoint.llm_engine.vllm_config
+            with model.trace(PROMPTS[0]):
+                out = model.layers[0].layer_output.save()
+            assert out.shape[-1] == 128
+            shutdown(model)
+    assert not config.use_v2_model_runner
+    said = [record.getMessage() for record in caplog.records if "V1 model runner" in record.getMessage()]
+    assert len(said) == 1 and RUNNER_SETTING in said[0], said
+
+
+def test_asking_for_the_v2_runner_is_refused_naming_the_setting(monkeypatch, path):
+    monkeypatch.setenv(RUNNER_SETTING, "1")
+    with pytest.raises(NotImplementedError, match=f"{RUNNER_SETTING}='1'.*Unset {RUNNER_SETTING}"):
+        SteeredVLLM(path, enforce_eager=True)
+    with pytest.raises(NotImplementedError, match=f"{RUNNER_SETTING}='1'"):
+        StandardizedVLLM(str(path), dispatch=True)
+
+
+#: Run in a fresh interpreter whose vLLM reports a CUDA platform: build every worker class the engines would use.
+OFF_CPU = """
+import json, sys, torch
+
+def torch_as_it_is():
+    cuda = {n: getattr(torch.cuda, n) for n in ("Event", "Stream", "current_stream", "stream")}
+    accelerator = {"accelerator." + n: getattr(torch.accelerator, n) for n in ("synchronize", "empty_cache")}
+    return {**cuda, **accelerator, "accelerator.get_memory_info": torch.accelerator.get_memory_info,
+            "Tensor.pin_memory": torch.Tensor.pin_memory}
+
+before = torch_as_it_is()
+# vLLM's GPU worker and runner modules, imported as this CPU build can (their GPU kernels are not here); from now
+# on vLLM reports a CUDA platform, and everything this project builds is built as it would be there.
+import vllm.v1.worker.gpu_worker, vllm.v1.worker.gpu_model_runner
+import nnsight.modeling.vllm.workers.GPUWorker
+from vllm import platforms
+from vllm.platforms.interface import Platform, PlatformEnum
+
+class StandInCuda(Platform):
+    _enum = PlatformEnum.CUDA
+    device_name = "cuda"
+    device_type = "cuda"
+    dispatch_key = "CUDA"
+
+vllm_modules_before = {m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")}
+platforms._current_platform = StandInCuda()
+import nnterp_vllm
+from nnterp_vllm.engines import runners, steered, vllm_platform
+from nnterp_vllm.engines.steered_settings import WORKERS
+from nnterp_vllm.serve import server
+from vllm.utils.import_utils import resolve_obj_by_qualname
+
+kwargs = vllm_platform.engine_kwargs(sys.argv[1], dtype="float32")
+worker = WORKERS["cpu" if vllm_platform.is_cpu_platform() else "gpu"]
+built = [resolve_obj_by_qualname(path).__name__ for path in (
+    vllm_platform.CUDA_WORKER_CLS, worker, "nnterp_vllm.engines.runners.SteeringGPUModelRunner",
+    "nnterp_vllm.engines.vllm_platform.NNsightCUDAModelRunner")]
+after = torch_as_it_is()
+print(json.dumps({
+    "cpu_platform": vllm_platform.is_cpu_platform(),
+    "built": built,
+    "worker": worker,
+    "engine_kwargs": kwargs,
+    "cpu_modules_before": sorted(vllm_modules_before),
+    "cpu_modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.worker.cpu") or "cpu_executors" in m),
+    "replaced": sorted(name for name in before if after[name] is not before[name]),
+}))
+"""
+
+
+def test_off_the_cpu_platform_no_cpu_worker_module_is_imported_and_torch_is_left_alone(path):
+    done = subprocess.run(
+        [sys.executable, "-c", OFF_CPU, str(path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["cpu_platform"] is False
+    built = ["NNsightCUDAWorker", "SteeringGPUWorker", "SteeringGPUModelRunner", "NNsightCUDAModelRunner"]
+    assert found["built"] == built
+    assert found["worker"] == "nnterp_vllm.engines.runners.SteeringGPUWorker"
+    assert found["engine_kwargs"] == {"dtype": "float32"}  # no CPU executor, no CPU KV-cache sizing
+    assert found["cpu_modules_before"] == found["cpu_modules"] == []
+    assert found["replaced"] == []
+
+
+# -- the model wrapped as vLLM's GPU runner wraps it under CUDA graphs ---------------------------------------------
+
+
+def wrap_as_under_cuda_graphs(monkeypatch) -> list:
+    """Make the CPU runner load as ``GPUModelRunner.load_model`` does under CUDA graphs: the loaded model wrapped in
+    vLLM's ``CUDAGraphWrapper`` (runtime mode FULL; the CPU's forward context carries mode NONE, so it calls straight
+    through), and ``get_model()`` unwrapping it as the GPU runner's does. Returns the list of wrappers built."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wrapped = []
+    load = CPUModelRunner.load_model
+
+    def load_and_wrap(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        self.model = CUDAGraphWrapper(self.model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
+        wrapped.append(self.model)
+
+    monkeypatch.setattr(type(current_platform), "graph_pool_handle", lambda self: None, raising=False)
+    monkeypatch.setattr(CPUModelRunner, "load_model", load_and_wrap)
+    monkeypatch.setattr(CPUModelRunner, "get_model", GPUModelRunner.get_model)
+    return wrapped
+
+
+def steered_run(path) -> tuple[list[list[int]], list[dict[str, torch.Tensor]], dict]:
+    """Greedy tokens and kept rows of a few steered and capturing requests on a fresh (compiled) steered engine, and
+    its steering statistics (``eager_calls``: the operation's runs outside the compiled graph during the requests)."""
+    model = SteeredVLLM(path, capture_values=["layers.*.layer_output", "layers.1.mlp.mlp_output"], max_model_len=128)
+    vector = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0))
+    steering = [[Steering(1, vector, factor=4.0)], None, [Steering(0, vector, positions="generated")]]
+    capture = [Capture("layers.*.layer_output"), Capture("layers.1.mlp.mlp_output", positions="last"), None]
+    try:
+        before = model.steering_stats()[0]["eager_calls"]  # a count of this process: earlier eager engines add to it
+        outputs = model.generate(PROMPTS, SamplingParams(**GREEDY), steering, capture=capture, use_tqdm=False)
+        stats = model.steering_stats()[0]
+        stats["eager_calls"] -= before
+    finally:
+        model.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs], [o.activations or {} for o in outputs], stats
+
+
+def test_the_steered_engine_steers_and_captures_inside_vllms_cuda_graph_wrapper(path, monkeypatch):
+    plain_tokens, plain_kept, _ = steered_run(path)
+    wrapped = wrap_as_under_cuda_graphs(monkeypatch)
+    tokens, kept, stats = steered_run(path)
+    assert len(wrapped) == 1
+    assert tokens == plain_tokens
+    assert stats["resident_rows"] >= 1 and stats["eager_calls"] == 0
+    for inside, plain in zip(kept, plain_kept):
+        assert inside.keys() == plain.keys()
+        for name in inside:
+            torch.testing.assert_close(inside[name], plain[name], atol=1e-5, rtol=1e-5)
+    assert kept[0]["layers.0.layer_output"].shape[0] == len(tokens[0]) + len(PROMPTS[0]) - 1
+
+
+def test_the_nnsight_engine_reads_the_model_inside_vllms_cuda_graph_wrapper(path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    wrapped = wrap_as_under_cuda_graphs(monkeypatch)
+    model = StandardizedVLLM(str(path), dispatch=True, max_model_len=128, dtype="float32")
+    try:
+        with model.trace(PROMPTS[0]):
+            streams = [model.layers[i].layer_output.save() for i in range(model.num_layers)]
+        ids = model.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
+    finally:
+        shutdown(model)
+    assert len(wrapped) == 1
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states
+    for layer, stream in enumerate(streams[:-1]):
+        torch.testing.assert_close(stream[0], hidden[layer + 1][0], atol=1e-4, rtol=1e-4)
+
+
+# -- kept rows leaving an accelerator -----------------------------------------------------------------------------
+
+
+class StandInDevice:
+    """An accelerator's torch module as `RowsLeaving` uses it, on the CPU: copies happen at once, but each event
+    reports completion only on its second ``query`` (a copy still on its way), or when waited for."""
+
+    class Event:
+        def __init__(self) -> None:
+            self.asked = 0
+            self.waited = False
+
+        def record(self, stream: object) -> None:
+            pass
+
+        def query(self) -> bool:
+            self.asked += 1
+            return self.asked > 1
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    class Stream:
+        def __init__(self, device: object = None) -> None:
+            self.waits: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waits.append(event)
+
+    compute = Stream()
+
+    @classmethod
+    def current_stream(cls, device: object = None) -> Stream:
+        return cls.compute
+
+    @staticmethod
+    def stream(stream: object):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_kept_rows_are_handed_on_in_step_order_only_once_their_copy_has_arrived():
+    values, tokens, hidden = 2, 6, 3
+    rows = torch.zeros(values, tokens, hidden)
+    leaving = RowsLeaving(rows, StandInDevice)
+    request = KeptRows({"values": ["a", "b"]}, [0, 1], [torch.zeros(1, hidden), torch.zeros(1, hidden)])
+    written = []
+    for step in range(4):
+        rows.fill_(float(step + 1))  # the step's forward writes the buffer
+        written.append(rows[:, :2].clone())
+        leaving.deliver(hand_on, wait=False)
+        leaving.send([(request, 0, 2 * step, 2)], 2)
+        rows.fill_(-1.0)  # the next forward overwrites it before the copy is handed on
+    # At most two steps on their way (two host buffers); the older ones were handed on, in order.
+    assert len(leaving.on_the_way) <= 2
+    assert request.filled == 2 * (4 - len(leaving.on_the_way))
+    leaving.deliver(hand_on, wait=True)
+    assert not leaving.on_the_way and request.filled == 8
+    for step, expected in enumerate(written):
+        for slot in range(values):
+            torch.testing.assert_close(request.tensors[slot][2 * step : 2 * step + 2], expected[slot])
+    # Each staging copy waited (on the device) for the previous copy out of the staging buffer.
+    assert len(StandInDevice.compute.waits) == 3
+
+
+def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from nnterp_vllm.engines.steered_settings import steering_settings
+
+    settings = steering_settings(path, {"max_num_batched_tokens": 4096}, capture_values=["layers.*.layer_output"])
+    config = EngineArgs(model=str(path), max_num_batched_tokens=4096, **settings).create_engine_config()
+    on_gpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cuda"))
+    on_cpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cpu"))
+    layers, hidden = config.model_config.hf_text_config.num_hidden_layers, config.model_config.get_hidden_size()
+    element = config.model_config.dtype.itemsize
+    assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
+    rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
+    assert on_gpu["steering table"] == layers * rows * hidden * element + 4096 * 8
+    check_room(on_gpu, sum(on_gpu.values()))
+    with pytest.raises(ValueError, match=r"capture buffers 0\.\d\d GiB.*0\.00 GiB of the device is left.*Lower"):
+        check_room(on_gpu, 1000)
+    no_rows = buffer_sizes(config, ["layers.0.layer_output"], torch.device("cuda"), keeps=False)
+    assert set(no_rows) == {"steering table"}
