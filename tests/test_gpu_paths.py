@@ -8,7 +8,7 @@
   model wrapped as ``GPUModelRunner.load_model`` wraps it steers and captures exactly as the unwrapped one.
 - Kept rows leaving an accelerator (`RowsLeaving`): staged, copied on a stream of their own and handed on only
   once the copy's event has completed, in step order, with a stand-in for the device's streams and events.
-- The device-memory check of the steered engine's buffers.
+- The device-memory check of the steered engine's buffers, and the share of a device the notebook engine takes.
 """
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ from nnterp_vllm.serve import server
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 kwargs = vllm_platform.engine_kwargs(sys.argv[1], dtype="float32")
+shares = [vllm_platform.notebook_share(given, "StandardizedVLLM")
+          for given in ({}, {"gpu_memory_utilization": 0.8}, {"kv_cache_memory_bytes": 2**30})]
 worker = WORKERS["cpu" if vllm_platform.is_cpu_platform() else "gpu"]
 built = [resolve_obj_by_qualname(path).__name__ for path in (
     vllm_platform.CUDA_WORKER_CLS, worker, "nnterp_vllm.engines.runners.SteeringGPUModelRunner",
@@ -129,6 +131,7 @@ print(json.dumps({
     "built": built,
     "worker": worker,
     "engine_kwargs": kwargs,
+    "shares": shares,
     "cpu_modules_before": sorted(vllm_modules_before),
     "cpu_modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.worker.cpu") or "cpu_executors" in m),
     "replaced": sorted(name for name in before if after[name] is not before[name]),
@@ -147,6 +150,12 @@ def test_off_the_cpu_platform_no_cpu_worker_module_is_imported_and_torch_is_left
     assert found["built"] == built
     assert found["worker"] == "nnterp_vllm.engines.runners.SteeringGPUWorker"
     assert found["engine_kwargs"] == {"dtype": "float32"}  # no CPU executor, no CPU KV-cache sizing
+    # The notebook engine takes its share of the device unless told; a caller's sizing wins.
+    assert found["shares"] == [
+        {"gpu_memory_utilization": 0.5},
+        {"gpu_memory_utilization": 0.8},
+        {"kv_cache_memory_bytes": 2**30},
+    ]
     assert found["cpu_modules_before"] == found["cpu_modules"] == []
     assert found["replaced"] == []
 

@@ -368,6 +368,21 @@ def cpu_kv_cache(checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 NOTEBOOK_GPU_MEMORY_UTILIZATION = 0.5
 
 
+def notebook_share(kwargs: dict[str, Any], engine: str) -> dict[str, Any]:
+    """``kwargs`` of a notebook ``engine`` with the share of an accelerator it takes unless the caller sized it
+    (`NOTEBOOK_GPU_MEMORY_UTILIZATION`, said in a log line); unchanged on the CPU build or where sized."""
+    if is_cpu_platform() or "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs:
+        return kwargs
+    logger.info(
+        "%s takes at most %d%% of the device (gpu_memory_utilization=%s), leaving room for other models in this "
+        "process; pass gpu_memory_utilization= (or kv_cache_memory_bytes=) to choose",
+        engine,
+        round(100 * NOTEBOOK_GPU_MEMORY_UTILIZATION),
+        NOTEBOOK_GPU_MEMORY_UTILIZATION,
+    )
+    return {**kwargs, "gpu_memory_utilization": NOTEBOOK_GPU_MEMORY_UTILIZATION}
+
+
 class PlatformVLLM(VLLM):
     """nnsight's ``VLLM``, made to run on vLLM's CPU build as on its GPU platforms.
 
@@ -382,17 +397,7 @@ class PlatformVLLM(VLLM):
         # A wrapped, already loaded module (nnsight's worker-side form) carries no engine settings.
         if not (args and isinstance(args[0], torch.nn.Module)):
             choose_model_runner(type(self).__name__)
-            kwargs = engine_kwargs(str(args[0]) if args else None, **kwargs)
-            sized = "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs
-            if not is_cpu_platform() and not sized:
-                kwargs["gpu_memory_utilization"] = NOTEBOOK_GPU_MEMORY_UTILIZATION
-                logger.info(
-                    "%s takes at most %d%% of the device (gpu_memory_utilization=%s), leaving room for other models "
-                    "in this process; pass gpu_memory_utilization= (or kv_cache_memory_bytes=) to choose",
-                    type(self).__name__,
-                    round(100 * NOTEBOOK_GPU_MEMORY_UTILIZATION),
-                    NOTEBOOK_GPU_MEMORY_UTILIZATION,
-                )
+            kwargs = notebook_share(engine_kwargs(str(args[0]) if args else None, **kwargs), type(self).__name__)
         super().__init__(*args, **kwargs)
 
     @property
