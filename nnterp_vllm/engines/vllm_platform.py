@@ -599,13 +599,18 @@ def publish(namespace: dict[str, Any], *classes: type) -> None:
 
 
 def built_on_access(namespace: dict[str, Any], names: tuple[str, ...], define: Any) -> Any:
-    """A module ``__getattr__`` (PEP 562) that runs ``define()`` on the first access to one of ``names``."""
+    """A module ``__getattr__`` (PEP 562) that runs ``define()`` once, on the first access to one of ``names``; a
+    name among them that this platform does not build is an AttributeError saying so."""
+    built: list[bool] = []
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - a module's __getattr__
         if name in names:
-            define()
+            if not built:
+                define()
+                built.append(True)
             if name in namespace:
                 return namespace[name]
+            raise AttributeError(f"module {namespace['__name__']!r} builds no {name} on this platform")
         raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
 
     return __getattr__
