@@ -72,20 +72,20 @@ def standardized_vllm(path: str, batch: list[str], tokens: int, repeats: int) ->
     sampling = {"temperature": 0.0, "max_tokens": tokens, "ignore_eos": True}
 
     def untouched() -> None:
-        with model.trace(**sampling) as tracer:
+        with model.generate(**sampling) as tracer:
             for prompt in batch:
                 with tracer.invoke(prompt):
                     pass
 
     def steered() -> None:
-        with model.trace(**sampling) as tracer:
+        with model.generate(**sampling) as tracer:
             for prompt in batch:
                 with tracer.invoke(prompt):
                     for _ in tracer.iter[:tokens]:
                         model.steer(10, vector, factor=2.0)
 
     def single() -> None:
-        with model.trace(batch[0], temperature=0.0, max_tokens=1):
+        with model.trace(batch[0]):
             model.logits.save()
 
     try:

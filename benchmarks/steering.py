@@ -110,7 +110,7 @@ def nnsight_vllm(path: str, batch: list[str]) -> tuple[Callable, Callable]:
     steer = vector(model.hidden_size)
 
     def run(configuration: str, tokens: int) -> None:
-        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+        with model.generate(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
             for prompt in batch:
                 with tracer.invoke(prompt):
                     for _ in tracer.iter[:tokens]:

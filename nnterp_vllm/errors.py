@@ -1,4 +1,4 @@
-"""Every error the library raises on purpose, in one place."""
+"""Every error the library raises on purpose, in one place, and the warnings it gives where a mistake runs on."""
 
 from __future__ import annotations
 
@@ -18,3 +18,18 @@ class UnavailableValue(RuntimeError):
 
 class EngineShutDown(RuntimeError):
     """A call on a vLLM engine after its ``shutdown()``: the message names the engine and what to do instead."""
+
+
+class TraceNeverRan(UserWarning):
+    """A trace (or an invoke) built and discarded without having run: written without ``with``, it runs nothing.
+
+    Given once per line that built one; the message names that line.
+    """
+
+
+class ParameterWritten(UserWarning):
+    """A model parameter written in a trace: the change stays for every later trace and generation of the model.
+
+    Given once per parameter per model; the message says how to undo the write, or how to make one that lasts a
+    single trace.
+    """

@@ -128,7 +128,7 @@ def _leftovers() -> None:
     for name, kwargs in (("tp2-mp", {}), ("tp2-ray", {"distributed_executor_backend": "ray"})):
         before = entries()
         model = StandardizedVLLM(path, dtype="float32", tensor_parallel_size=2, dispatch=True, **kwargs)
-        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        with model.trace(PROMPT):
             model.layers[1].layer_output.save()
         model.shutdown()
         time.sleep(1)

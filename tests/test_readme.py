@@ -28,3 +28,5 @@ def test_readme_example_runs(index, tmp_path):
     script.write_text(EXAMPLES[index])
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    for mistake in ("TraceNeverRan", "ParameterWritten"):  # the examples make none of the mistakes caught
+        assert mistake not in result.stderr, result.stderr[-3000:]

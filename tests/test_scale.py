@@ -148,9 +148,9 @@ def test_ray_executor_serves_whole_values_and_steers_as_one_rank():
     reference = StandardizedTransformer(path)
     names = ("attention_queries", "attention_keys", "attention_premix", "attention_head_outputs")
 
-    def values(model, **kwargs):
+    def values(model):
         saved = []
-        with model.trace(scale_runs.PROMPT, **kwargs):
+        with model.trace(scale_runs.PROMPT):
             for name in names:
                 saved.append(getattr(model.layers[1].self_attn, name).save())
             saved.append(model.layers[2].layer_output.save())
@@ -164,7 +164,7 @@ def test_ray_executor_serves_whole_values_and_steers_as_one_rank():
         )
     )
     try:
-        got, trace = timed(lambda: values(model, temperature=0.0, max_tokens=1))
+        got, trace = timed(lambda: values(model))
         for got_value, want_value in zip(got, want):
             close(got_value, want_value, **ACROSS_ENGINES)
         # Each rank runs on its own share of this machine's CPUs, with as many torch threads.
@@ -342,7 +342,7 @@ def test_two_nodes_run_a_tensor_parallel_engine_across_them_and_a_spread_harvest
         dispatch=True,
     )
     try:
-        with model.trace(scale_runs.PROMPT, temperature=0.0, max_tokens=1):
+        with model.trace(scale_runs.PROMPT):
             got = [model.layers[1].self_attn.attention_queries.save(), model.logits.save()]
     finally:
         model.shutdown()

@@ -186,7 +186,7 @@ def tokens_and_logprobs(output) -> tuple[list[int], torch.Tensor]:
 def teacher_forced(model, prompt_ids: list[int], generated: list[int], add: torch.Tensor | None, positions: list[int]):
     """One forward of prompt + generated tokens (each generated token fed in as it would be) with ``add``
     steered into block 1's output at ``positions``: the logprobs of the generated tokens, and that output."""
-    with model.trace({"prompt_token_ids": prompt_ids + generated[:-1]}, max_tokens=1, temperature=0.0):
+    with model.trace({"prompt_token_ids": prompt_ids + generated[:-1]}):
         if add is not None:
             model.steer(1, add, positions=positions)
         stream = model.layers[1].layer_output.save()

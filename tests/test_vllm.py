@@ -69,10 +69,6 @@ def close(actual, expected, msg=None, **tolerance):
     torch.testing.assert_close(actual.detach().float(), expected.detach().float(), msg=msg, **(tolerance or TOLERANCE))
 
 
-def greedy(**kwargs):
-    return {"temperature": 0.0, "max_tokens": 1, **kwargs}
-
-
 def claimed(table, name, layer=None):
     """Whether a ``support()`` table claims value ``name`` (on block ``layer``, for a block value)."""
     entry = table.get(name, "no block has this module")
@@ -113,9 +109,9 @@ class Runs:
             plan += [(layer, name) for name in BLOCK_VALUES if all(claimed(table, name, layer) for table in both)]
         return plan + [(None, name) for name in ROOT_VALUES[1:] if all(claimed(table, name) for table in both)]
 
-    def _read(self, model, **kwargs):
+    def _read(self, model):
         plan = self.plan  # a trace body sends what it names to the engine: not this object
-        with model.trace(reference.PROMPT, **kwargs):
+        with model.trace(reference.PROMPT):
             saved = nnsight.save([])
             for layer, name in plan:
                 saved.append((model if layer is None else model.layers[layer]).get(name))
@@ -124,12 +120,12 @@ class Runs:
     @functools.cached_property
     def values(self):
         """``{(layer, name): tensor}`` on each engine: (vLLM's, transformers')."""
-        return self._read(self.on_vllm, **greedy()), self._read(self.on_hf)
+        return self._read(self.on_vllm), self._read(self.on_hf)
 
     @staticmethod
-    def _intervened(model, vector, **kwargs):
+    def _intervened(model, vector):
         """The three interventions as invokes of one trace (vLLM)."""
-        with model.trace(**kwargs) as tracer:
+        with model.trace() as tracer:
             with tracer.invoke(reference.PROMPT):
                 steered = steer_both_ends(model, vector)
             with tracer.invoke(reference.OTHER_PROMPT):
@@ -153,7 +149,7 @@ class Runs:
     def interventions(self):
         """Steered, plain (beside the others) and skipped runs on each engine: (vLLM's, transformers')."""
         vector = torch.randn(self.on_hf.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
-        return self._intervened(self.on_vllm, vector, **greedy()), self._intervened_one_by_one(self.on_hf, vector)
+        return self._intervened(self.on_vllm, vector), self._intervened_one_by_one(self.on_hf, vector)
 
     @functools.cached_property
     def generated(self):
@@ -299,7 +295,7 @@ def test_saved_values_survive_the_rest_of_the_forward(llama):
     """vLLM adds the residual in place inside its fused norm: a read must be a copy, not its buffer."""
     on_vllm, _ = llama
     expected = reference.run(reference.load(tiny.checkpoint("llama")), output_hidden_states=True)
-    with on_vllm.trace(reference.PROMPT, **greedy()):
+    with on_vllm.trace(reference.PROMPT):
         second = on_vllm.layers[1].layer_input.save()
         third = on_vllm.layers[2].layer_input.save()
     close(second, expected.hidden_states[1])
@@ -318,11 +314,11 @@ def test_the_engine_survives_each_kind_of_bad_input(llama):
     ]
     for attempt in bad:
         with pytest.raises(Exception) as caught:  # noqa: PT011 - the type differs per attempt; the message is checked
-            with on_vllm.trace(reference.PROMPT, **greedy()):
+            with on_vllm.trace(reference.PROMPT):
                 attempt()
         message = str(caught.value)
         assert any(word in message for word in ("shape", "num_layers", "no_such_value", "one prompt", "fused")), message
-        with on_vllm.trace(reference.PROMPT, **greedy()):
+        with on_vllm.trace(reference.PROMPT):
             logits = on_vllm.logits.save()
         assert torch.isfinite(logits).all()
 
@@ -334,7 +330,7 @@ def test_logit_lens_and_projection_run_unchanged(llama):
 
 def test_nnsight_save_of_a_container_works_on_vllm(llama):
     on_vllm, _ = llama
-    with on_vllm.trace(reference.PROMPT, **greedy()):
+    with on_vllm.trace(reference.PROMPT):
         saved = nnsight.save([on_vllm.layers[0].layer_output[:, -1]])
     assert saved[0].shape == (1, on_vllm.hidden_size)
 
@@ -360,7 +356,7 @@ def test_smollm2_on_vllm():
     try:
         prompt = "The Eiffel Tower is in the city of"
         outputs = []
-        with on_vllm.trace(prompt, **greedy()):
+        with on_vllm.trace(prompt):
             for block in on_vllm.layers:
                 outputs.append(block.layer_output.save())
             logits = on_vllm.logits.save()
@@ -385,9 +381,9 @@ def test_tensor_parallel_serves_whole_values():
     names = ("attention_queries", "attention_keys", "attention_premix", "attention_head_outputs")
     try:
         results = []
-        for model, kwargs in ((on_vllm, greedy()), (on_hf, {})):
+        for model in (on_vllm, on_hf):
             saved = []
-            with model.trace(reference.PROMPT, **kwargs):
+            with model.trace(reference.PROMPT):
                 for name in names:
                     saved.append(getattr(model.layers[1].self_attn, name).save())
                 model.steer(1, torch.ones(model.hidden_size), factor=0.5)
@@ -396,7 +392,7 @@ def test_tensor_parallel_serves_whole_values():
             results.append(saved)
         for vllm_value, hf_value in zip(*results):
             close(vllm_value, hf_value)
-        with on_vllm.trace(reference.PROMPT, **greedy()):
+        with on_vllm.trace(reference.PROMPT):
             attention = on_vllm.layers[0].self_attn
             attention.attention_values = torch.zeros_like(attention.attention_values)
             silenced = on_vllm.layers[0].attention_output.save()

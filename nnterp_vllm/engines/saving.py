@@ -107,8 +107,23 @@ def fill_from_outputs(mediators: list[Any], outputs: list[Any]) -> None:
     for mediator, output in zip(mediators, outputs):
         for saves in getattr(output, "nnsight_sequences", None) or [getattr(output, "nnsight_saves", None) or {}]:
             fill_originals(mediator, saves, lengths)
-        shown = [output, getattr(output, "nnsight_saves", None), *(getattr(output, "outputs", None) or [])]
-        for holder in shown:
+    take(outputs, WRITTEN)
+
+
+def take(outputs: list[Any], name: str) -> list[Any]:
+    """Take the value saved as ``name`` off every dict of saved values vLLM's ``outputs`` carry (those nnsight
+    pushes and those they show: ``output.saves``, each completion's); the values taken, once each."""
+    taken: dict[int, Any] = {}
+    for output in outputs:
+        holders = [
+            output,
+            getattr(output, "nnsight_saves", None),
+            *(getattr(output, "nnsight_sequences", None) or []),
+            *(getattr(output, "outputs", None) or []),
+        ]
+        for holder in holders:
             saves = holder if isinstance(holder, dict) else getattr(holder, "saves", None)
-            if isinstance(saves, dict):
-                saves.pop(WRITTEN, None)
+            if isinstance(saves, dict) and name in saves:
+                value = saves.pop(name)
+                taken[id(value)] = value
+    return list(taken.values())

@@ -13,7 +13,7 @@ from ..families import default
 from ..standardized import Standardized, max_positions
 from . import saving
 from .tensor_parallel import as_distributed_config, check_heads_split, transformers_degree
-from .tracing import Tracer
+from .tracing import Tracer, one_forward_pass, refuse_generation_arguments, warn_mediators_wrote_parameters
 
 
 class StandardizedTransformer(Standardized, TransformersModel):
@@ -71,8 +71,16 @@ class StandardizedTransformer(Standardized, TransformersModel):
         nnterp.apply(self)
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        """A trace: one forward pass over the inputs, its body interleaved with it.
+
+        Generation arguments (``max_new_tokens``, ``do_sample``, ``temperature``, any of transformers' or vLLM's
+        sampling settings) are refused with ``TypeError``: ``generate`` takes them. (``generate`` runs through
+        here too, naming itself as ``fn``.)"""
         kwargs.setdefault("tracer_cls", Tracer)
-        return super().trace(*inputs, **kwargs)
+        if kwargs.get("fn") is not None:
+            return super().trace(*inputs, **kwargs)
+        refuse_generation_arguments(kwargs)
+        return one_forward_pass(super().trace(*inputs, **kwargs))
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
         if inputs:
@@ -93,3 +101,4 @@ class StandardizedTransformer(Standardized, TransformersModel):
             return super().interleave(fn, *args, **kwargs)
         finally:
             saving.hand_back(mediators)
+            warn_mediators_wrote_parameters(self, mediators)

@@ -26,7 +26,13 @@ from ..standardized import Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
 from .tensor_parallel import check_heads_split
-from .tracing import OneAtATime
+from .tracing import (
+    PARAMETER_READS,
+    OneAtATime,
+    one_forward_pass,
+    refuse_generation_arguments,
+    warn_parameters_written,
+)
 from .vllm_platform import PlatformVLLM, blocks_to_run, shutdown
 
 
@@ -119,8 +125,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             nnterp's options are taken with their meaning or refused with the reason (`nnterp_options.take`;
             ``enable_attention_probs=True`` is refused: vLLM never materializes the pattern).
 
-    Sampling settings go to ``trace``/``generate`` as vLLM's (``max_tokens``, ``temperature``) or
-    as transformers' (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``).
+    Sampling settings go to ``generate`` as vLLM's (``max_tokens``, ``temperature``) or as transformers'
+    (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``); ``trace`` is one forward pass and refuses them.
     """
 
     ENGINE = families.VLLM
@@ -180,11 +186,19 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         return kwargs
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
-        """A trace, as on transformers: one forward pass over the prompt (one greedy token sampled) unless
-        sampling settings say otherwise. Refused with `EngineShutDown` after `shutdown`."""
+        """A trace, as on transformers: one forward pass over the prompt (one greedy token sampled).
+
+        Generation arguments (``max_tokens``, ``temperature``, ``max_new_tokens``, any of vLLM's or transformers'
+        sampling settings) are refused with ``TypeError``: ``generate`` takes them. Refused with `EngineShutDown`
+        after `shutdown`."""
+        refuse_generation_arguments(kwargs)
+        return one_forward_pass(self._tracer(*inputs, **_as_transformers(kwargs, tokens=1)))
+
+    def _tracer(self, *inputs: Any, **kwargs: Any) -> Any:
+        """nnsight's trace of ``inputs`` with sampling settings ``kwargs``, on the tracer of this library."""
         refuse_after_shutdown(self, "StandardizedVLLM")
         kwargs.setdefault("tracer_cls", VLLMTracer)
-        return super().trace(*inputs, **_as_transformers(kwargs, tokens=1))
+        return super().trace(*inputs, **kwargs)
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """Generation, greedy unless ``temperature``/``do_sample`` say otherwise, as transformers' defaults are;
@@ -192,7 +206,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         from nnsight.tracing.tracer import WithBlockNotFoundError
 
         kwargs = _as_transformers(kwargs, tokens=GENERATED_TOKENS)
-        tracer = self.trace(*inputs, **kwargs)
+        tracer = self._tracer(*inputs, **kwargs)
         try:
             # nnsight's test for a `with` block at the caller (read two frames up, so it stays here).
             tracer.capture()
@@ -213,9 +227,10 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         except VLLMValidationError as error:  # refused before any request ran (vLLM aborts what it added)
             raise ValueError(f"invoke: {error}") from None
 
-    @staticmethod
-    def _collect(mediators: list, outputs: list) -> None:
-        """nnsight's collect, with containers filled in place and the library's errors raised as themselves."""
+    def _collect(self, mediators: list, outputs: list) -> None:
+        """nnsight's collect, with containers filled in place and the library's errors raised as themselves;
+        a parameter a trace body wrote in the engine is warned about (`tracing.warn_parameters_written`)."""
+        warn_parameters_written(self, saving.take(outputs, PARAMETER_READS))
         saving.fill_from_outputs(mediators, outputs)
         errors = [getattr(output, "nnsight_error", None) for output in outputs]
         for output in outputs:
@@ -245,6 +260,6 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
 
     def _unembedding(self) -> torch.Tensor:
         # The weights live in the engine: fetch the head, whole and unpadded.
-        with self.trace(" ", max_tokens=1):
+        with self.trace(" "):
             weight = gathered(self.lm_head._module.weight.t()).t()[: self.vocab_size].clone().save()
         return weight

@@ -201,14 +201,17 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
 
     results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    device = next(model._module.parameters()).device
     for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
+        inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
         # No KV cache to build, and nothing runs past the deepest value read (the rest of the
         # blocks, the final norm and the head are skipped).
-        with torch.no_grad(), model.trace({"input_ids": ids, "attention_mask": mask}, use_cache=False) as tracer:
+        with torch.no_grad(), model.trace(inputs, use_cache=False) as tracer:
             saved = nnsight.save({})
             for selection in job.selections:
                 saved[selection.name] = selection.read(model)
             tracer.stop()
+        saved = {name: value.to("cpu") for name, value in saved.items()}  # one copy off the device per batch
         for slot, i in enumerate(batch):
             length = len(unit_rows[i].token_ids)
             results[i] = {
@@ -222,7 +225,7 @@ def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torc
     """One invoke per row, all in one engine call; values per row, in row order."""
     import nnsight
 
-    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+    with model.trace() as tracer:
         saved = nnsight.save({})
         for number, row in enumerate(unit_rows):
             with tracer.invoke(list(row.token_ids)):
