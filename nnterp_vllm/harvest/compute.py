@@ -201,9 +201,11 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
 
     results: list[dict[str, torch.Tensor]] = [{} for _ in unit_rows]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    device = next(model._module.parameters()).device
     for batch, ids, mask in batches(unit_rows, job.batch_size, pad):
-        inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+        device = next(model._module.parameters()).device  # meta until the first trace loads the weights
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if device.type != "meta":
+            inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
         # No KV cache to build, and nothing runs past the deepest value read (the rest of the
         # blocks, the final norm and the head are skipped).
         with torch.no_grad(), model.trace(inputs, use_cache=False) as tracer:
