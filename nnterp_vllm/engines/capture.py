@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 CAPTURE_SETTING = "capture"
 #: Finished requests whose rows the worker holds for the client before dropping the oldest.
 FINISHED_KEPT = 4096
-#: How many times a capture hook ran as Python rather than inside a compiled graph, in this process.
-EAGER_CALLS = 0
 
 
 @torch.library.custom_op("nnterp_vllm::keep_rows", mutates_args=("rows",))
@@ -66,24 +64,26 @@ class CaptureRows(torch.nn.Module):
         super().__init__()
         with torch.inference_mode(False):
             self.register_buffer("rows", torch.zeros(values, tokens, hidden, dtype=dtype, device=device), False)
+        #: How many times a hook writing these buffers ran as Python rather than inside a compiled graph.
+        self.eager_calls = 0
 
 
-def _count_eager() -> None:
-    global EAGER_CALLS
+def count_eager_run(buffers: torch.nn.Module) -> None:
+    """Count, on an engine's ``buffers``, a run of one of its operations outside a compiled graph."""
     if not torch.compiler.is_compiling():  # folded away when traced: counts only runs outside a compiled graph
-        EAGER_CALLS += 1
+        buffers.eager_calls += 1
 
 
 def keep_output(module: torch.nn.Module, args: Any, output: Any) -> None:
     """Forward hook: each value kept at this module's output, copied into its row of the buffer."""
-    _count_eager()
+    count_eager_run(module.nnterp_capture)
     for slot, flat in module.nnterp_kept_outputs:
         torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat(output))
 
 
 def keep_input(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """Forward pre-hook: each value kept at this module's input, copied into its row of the buffer."""
-    _count_eager()
+    count_eager_run(module.nnterp_capture)
     for slot, flat in module.nnterp_kept_inputs:
         torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat((args, kwargs)))
 
@@ -399,7 +399,7 @@ class Capturer:
     def stats(self) -> dict[str, Any]:
         """What a test or benchmark reads: eager runs of the capture hooks, rows kept, requests held."""
         return {
-            "eager_calls": EAGER_CALLS,
+            "eager_calls": self.buffers.eager_calls if hasattr(self, "buffers") else 0,
             "rows_kept": self.rows_kept,
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),

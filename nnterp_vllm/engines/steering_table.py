@@ -25,11 +25,8 @@ from ..components import vllm as on_vllm
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering import EXTRA_ARGS_KEY, TokenSets, token_sets
+from .capture import count_eager_run
 from .steered_settings import CONFIG_KEY
-
-#: How many times a steering operation ran as Python rather than inside a compiled graph, in this process.
-EAGER_CALLS = 0
-
 
 # -- worker side --------------------------------------------------------------------------------------
 
@@ -46,6 +43,8 @@ class SteeringTable(torch.nn.Module):
         with torch.inference_mode(False):
             self.register_buffer("table", torch.zeros(layers, rows, hidden, dtype=dtype, device=device), False)
             self.register_buffer("row_of_token", torch.zeros(tokens, dtype=torch.long, device=device), False)
+        #: How many times the steering operation ran as Python rather than inside a compiled graph.
+        self.eager_calls = 0
 
     def delta(self, layer: int, tokens: int) -> torch.Tensor:
         """``[tokens, hidden]``: each token's vector at ``layer``."""
@@ -61,9 +60,7 @@ def table_rows(vllm_config: Any) -> int:
 
 def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
     """Forward hook of a steered block: its output with each token's steering vector added to the stream."""
-    global EAGER_CALLS
-    if not torch.compiler.is_compiling():  # folded away when traced: counts only runs outside a compiled graph
-        EAGER_CALLS += 1
+    count_eager_run(block.nnterp_steering)
     tokens = first_tensor(output).shape[0]
     return block.nnterp_layer_output.with_added(output, block.nnterp_steering.delta(block.nnterp_layer, tokens))
 
@@ -262,7 +259,7 @@ class Steerer:
         from vllm.compilation.counter import compilation_counter
 
         return {
-            "eager_calls": EAGER_CALLS,
+            "eager_calls": self.buffers.eager_calls,
             "rows": self.buffers.table.shape[1],
             "resident_rows": len(self.row_of_key),
             "row_writes": self.row_writes,
