@@ -24,7 +24,7 @@ import torch
 from vllm import SamplingParams
 
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
-from nnterp_vllm.engines.capture import KeptRows, RowsLeaving, hand_on
+from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
 
@@ -286,13 +286,13 @@ def test_kept_rows_are_handed_on_in_step_order_only_once_their_copy_has_arrived(
     for step in range(4):
         rows.fill_(float(step + 1))  # the step's forward writes the buffer
         written.append(rows[:, :2].clone())
-        leaving.deliver(hand_on, wait=False)
+        leaving.deliver(wait=False)
         leaving.send([(request, 0, 2 * step, 2)], 2)
         rows.fill_(-1.0)  # the next forward overwrites it before the copy is handed on
     # At most two steps on their way (two host buffers); the older ones were handed on, in order.
     assert len(leaving.on_the_way) <= 2
     assert request.filled == 2 * (4 - len(leaving.on_the_way))
-    leaving.deliver(hand_on, wait=True)
+    leaving.deliver(wait=True)
     assert not leaving.on_the_way and request.filled == 8
     for step, expected in enumerate(written):
         for slot in range(values):

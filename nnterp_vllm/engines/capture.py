@@ -237,7 +237,7 @@ class RowsLeaving:
         host = self.next_host
         self.next_host = (host + 1) % len(self.hosts)
         while any(slot == host for slot, *_ in self.on_the_way):
-            self.deliver_one(hand_on, wait=True)
+            self.deliver_one(wait=True)
         values, _, hidden = self.rows.shape
         size = values * tokens * hidden
         compute = self.device.current_stream(self.rows.device)
@@ -255,13 +255,13 @@ class RowsLeaving:
         self.staging_free = arrived
         self.on_the_way.append((host, arrived, step, tokens))
 
-    def deliver(self, receive: Any, wait: bool) -> None:
+    def deliver(self, wait: bool) -> None:
         """Hand on, in step order, the rows whose copy has completed (all of them, waiting, where ``wait``)."""
-        while self.on_the_way and self.deliver_one(receive, wait):
+        while self.on_the_way and self.deliver_one(wait):
             pass
 
-    def deliver_one(self, receive: Any, wait: bool) -> bool:
-        """Hand on the oldest step's rows to ``receive(rows, step)`` if they have arrived (after waiting for them,
+    def deliver_one(self, wait: bool) -> bool:
+        """Hand on the oldest step's rows to their requests (`hand_on`) if they have arrived (after waiting for them,
         where ``wait``); whether they were handed on."""
         host, arrived, step, tokens = self.on_the_way[0]
         if not wait and not arrived.query():
@@ -269,7 +269,7 @@ class RowsLeaving:
         arrived.synchronize()
         self.on_the_way.popleft()
         values, _, hidden = self.rows.shape
-        receive(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
+        hand_on(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
         return True
 
 
@@ -294,6 +294,7 @@ class Capturer:
         self.step: list[tuple[KeptRows, int, int, int]] = []
         self.step_tokens = 0
         self.rows_kept = 0
+        self.buffers: CaptureRows | None = None
         self.leaving: RowsLeaving | None = None
         if not self.keeps or not self.names or self.reasons:
             return
@@ -363,7 +364,7 @@ class Capturer:
         """Send this step's kept rows on their way to their requests' tensors (at once on the CPU; from an
         accelerator, asynchronously: `RowsLeaving`), and hand on those of earlier steps that have arrived."""
         if self.leaving is not None:
-            self.leaving.deliver(hand_on, wait=False)
+            self.leaving.deliver(wait=False)
         if not self.step:
             return
         if self.leaving is None:
@@ -378,7 +379,7 @@ class Capturer:
         (one request id per completion), handed over and forgotten here; each tensor `packed` where the rows
         leave this process (an RPC result crosses processes as plain data)."""
         if self.leaving is not None:  # the rows still on their way from the accelerator arrive first
-            self.leaving.deliver(hand_on, wait=True)
+            self.leaving.deliver(wait=True)
         wanted = set(keys)
         found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         for entry, kept in list(self.finished.items()):
@@ -399,7 +400,7 @@ class Capturer:
     def stats(self) -> dict[str, Any]:
         """What a test or benchmark reads: eager runs of the capture hooks, rows kept, requests held."""
         return {
-            "eager_calls": self.buffers.eager_calls if hasattr(self, "buffers") else 0,
+            "eager_calls": self.buffers.eager_calls if self.buffers is not None else 0,
             "rows_kept": self.rows_kept,
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),
