@@ -11,16 +11,24 @@
     ``layer_output`` s and of ``layers.3.layer_output``, each by an engine built for it as the harvest builds
     one (the second runs 4 blocks), against (g) plain vLLM prefilling the same rows (``max_tokens=1``, its
     default compiled mode, the same scheduler settings), the ceiling;
-and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c) and (g)/(f) run in
-alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the
-median of the rounds'.
+in the two arrangements of vLLM's engine: in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the harvest
+chooses it for an engine it builds, unless told) and in a process of its own (vLLM's default: (g-own) plain vLLM
+as a user gets it, (f-own) our harvest told to run so);
+(w) the disk: a plain write of as many bytes as (f) wrote, into the same directory, with fsync, against (f)'s own
+    bytes written per second;
+with ``--peers``, (p1) vllm-lens and (p2) interp-engine's vLLM backend keeping every block's residual stream of
+the same rows in memory (`peers`; installed into ``.cache/`` on first use);
+and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c), (g)/(f) and the peers run in
+alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median of the
+rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length (as
+SAELens does; every measurement), and ``short``, whole short documents as they come (the vLLM measurements).
 
-Tokens/s and CPU time exclude model loading (CPU time: every thread of the process, the in-process engine's
-included); peak RSS is the process's. The corpus: documents built from the shipped corpus's sentences,
-packed into rows of exactly the context length (as SAELens does). Prints the numbers and ratios; asserts
-nothing.
+Tokens/s and CPU time exclude model loading (CPU time: every thread of every process of the measurement, an
+engine core in its own process included); peak RSS is the measuring process's. The corpus: documents built from
+the shipped corpus's sentences. Prints the numbers and ratios; asserts nothing.
 
-    python benchmarks/harvest.py [--documents 240] [--context-length 128] [--rounds 3] [--only plain-vllm,vllm,...]
+    python benchmarks/harvest.py [--documents 240] [--short-documents 32] [--context-length 128] [--rounds 3]
+                                 [--workloads packed,short] [--only plain-vllm,vllm,...] [--peers]
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,29 +54,76 @@ SHARD_BYTES = 256 * 2**20
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
-PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm")
+PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm", "plain-vllm-own", "vllm-own")
+PEERS = ("vllm-lens", "interp-engine")
 #: Measured once, after the rounds.
-ONCE = ("saelens", "vllm-nnsight", "read")
+ONCE = ("disk", "saelens", "vllm-nnsight", "read")
+#: The measurements of the short-documents workload.
+SHORT = ("plain-vllm", "vllm", "plain-vllm-own", "vllm-own", *PEERS, "disk")
+#: vLLM's engine arrangement per measurement: ``0`` in the measuring process, ``1`` in a process of its own; the
+#: default harvest is left to choose (it runs its engine in its process unless told).
+ENGINE_PROCESS = {
+    "plain-vllm": "0",
+    "vllm-own": "1",
+    "plain-vllm-own": "1",
+    "vllm-nnsight": "0",
+    **dict.fromkeys(PEERS, "0"),
+}
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process so far, every thread's, user and system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU time of this process and every process it started, user and system: the finished ones (reaped) and the
+    ones still running (an engine core in its own process), read from /proc."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + running_children_cpu(os.getpid())
 
 
-def packed_rows(checkpoint: str, corpus: Path, context_length: int) -> list[list[int]]:
-    """The harvest's rows of the corpus: documents packed into rows of the context length."""
+def running_children_cpu(root: int) -> float:
+    """CPU seconds of the live descendants of process ``root`` (their threads and reaped children included)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = sum(int(value) for value in fields[11:15]) / tick  # utime stime cutime cstime
+    total, frontier = 0.0, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent:
+                total += times[pid]
+                frontier.append(pid)
+    return total
+
+
+def context_settings(context_length: int | None):
+    """How the workload makes rows: documents packed into rows of ``context_length``, or (None) whole documents."""
+    from nnterp_vllm.harvest.corpus import ContextSettings
+
+    return ContextSettings(context_length=context_length, overflow="pack" if context_length else "truncate")
+
+
+def harvest_rows(checkpoint: str, corpus: Path, context_length: int | None) -> list[list[int]]:
+    """The harvest's rows of the corpus (`context_settings`)."""
     from transformers import AutoTokenizer
 
-    from nnterp_vllm.harvest.corpus import ContextSettings, read_documents, rows
+    from nnterp_vllm.harvest.corpus import read_documents, rows
 
-    settings = ContextSettings(context_length=context_length, overflow="pack")
+    settings = context_settings(context_length)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     return [list(row.token_ids) for row in rows(read_documents(str(corpus), settings=settings), tokenizer, settings)]
 
 
-def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int) -> dict:
+def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int | None) -> dict:
     """Plain vLLM (its default compiled mode, the harvest engine's scheduler settings) prefilling the harvest's
     rows, one token sampled each; tokens, seconds, CPU seconds."""
     from vllm import LLM, SamplingParams
@@ -77,7 +131,7 @@ def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int) -> di
     from nnterp_vllm.engines.vllm_platform import engine_kwargs, shutdown_llm
     from nnterp_vllm.harvest.in_engine import ENGINE_DEFAULTS
 
-    prompts = [{"prompt_token_ids": ids} for ids in packed_rows(checkpoint, corpus, context_length)]
+    prompts = [{"prompt_token_ids": ids} for ids in harvest_rows(checkpoint, corpus, context_length)]
     llm = LLM(checkpoint, **engine_kwargs(checkpoint, dtype="float32", **ENGINE_DEFAULTS))
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -86,6 +140,24 @@ def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int) -> di
         return measured(sum(len(prompt["prompt_token_ids"]) for prompt in prompts), began, cpu)
     finally:
         shutdown_llm(llm)
+
+
+def disk_write(directory: Path, size: int) -> dict:
+    """The disk's own sequential write bandwidth: ``size`` bytes written to a new file in ``directory`` in 8 MiB
+    blocks, then fsync; bytes, seconds."""
+    block = os.urandom(8 * 2**20)
+    path = directory / "disk-bandwidth"
+    began = time.perf_counter()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        while written < size:
+            written += os.write(descriptor, block[: min(len(block), size - written)])
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+        path.unlink()
+    return {"tokens": 0, "bytes": size, "seconds": time.perf_counter() - began, "cpu": 0.0}
 
 
 def build_corpus(path: Path, count: int) -> None:
@@ -109,7 +181,7 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nnterp_vllm.harvest.compute import batches
-    from nnterp_vllm.harvest.corpus import ContextSettings, read_documents, rows
+    from nnterp_vllm.harvest.corpus import read_documents, rows
     from nnterp_vllm.harvest.run import plan
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -117,7 +189,7 @@ def plain_forward(checkpoint: str, corpus: Path, context_length: int, blocks: in
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", **extra).eval()
     base = model.model
     began, cpu = time.perf_counter(), cpu_seconds()
-    settings = ContextSettings(context_length=context_length, overflow="pack")
+    settings = context_settings(context_length)
     per_token = model.config.num_hidden_layers * model.config.hidden_size * 4
     units = plan(rows(read_documents(str(corpus), settings=settings), tokenizer, settings), SHARD_BYTES // per_token)
     tokens = 0
@@ -165,7 +237,7 @@ def our_harvest(
                 values,
                 out if number == 0 else out.with_name(f"{out.name}-{number}"),
                 context_length=context_length,
-                overflow="pack",
+                overflow="pack" if context_length else None,
                 batch_size=BATCH_SIZE,
                 shard_bytes=SHARD_BYTES,
                 progress=False,
@@ -175,9 +247,13 @@ def our_harvest(
             if engine == "vllm":
                 model.shutdown()
         manifest = result.manifest
-        results.append({**run, "note": f"attention {manifest['attention']}, {manifest['blocks_run']} blocks"})
+        written = sum(record["bytes"] for record in manifest["shards"].values())
+        note = f"attention {manifest['attention']}, {manifest['blocks_run']} blocks"
         if manifest.get("vllm_path"):
-            results[-1]["note"] += f", path {manifest['vllm_path']}"
+            note += f", path {manifest['vllm_path']}"
+        if manifest.get("engine_process"):
+            note += f", engine {manifest['engine_process']}"
+        results.append({**run, "bytes": written, "note": note})
     return results
 
 
@@ -237,7 +313,7 @@ def read_back(out: Path, rounds: int = 9) -> dict[str, float]:
     }
 
 
-def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch: Path, tokens: int) -> dict:
+def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, scratch: Path, known: dict) -> dict:
     everything, shallow = ["layers.*.layer_output"], [f"layers.{SHALLOW}.layer_output"]
     if name == "plain":
         done = {"runs": [plain_forward(checkpoint, corpus, context_length, None)]}
@@ -248,20 +324,27 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch
         shutil.rmtree(out, ignore_errors=True)  # a new harvest each round, not a resumed one
         done = {"runs": our_harvest(checkpoint, corpus, context_length, "transformers", selection, out)}
     elif name == "saelens":
-        done = {"runs": [saelens_caching(checkpoint, corpus, context_length, tokens, scratch / "saelens")]}
-    elif name == "vllm":
-        shutil.rmtree(scratch / "vllm", ignore_errors=True)
-        shutil.rmtree(scratch / "vllm-1", ignore_errors=True)
-        done = {
-            "runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], scratch / "vllm")
-        }
-    elif name == "plain-vllm":
+        done = {"runs": [saelens_caching(checkpoint, corpus, context_length, known["tokens"], scratch / "saelens")]}
+    elif name in ("vllm", "vllm-own"):
+        out = scratch / name
+        for directory in (out, out.with_name(f"{out.name}-1")):
+            shutil.rmtree(directory, ignore_errors=True)
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], out)}
+    elif name in ("plain-vllm", "plain-vllm-own"):
         done = {"runs": [plain_vllm_prefill(checkpoint, corpus, context_length)]}
     elif name == "vllm-nnsight":
         out = scratch / "vllm-nnsight"
         done = {
             "runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out, through_nnsight=True)
         }
+    elif name in PEERS:
+        import peers
+
+        sys.path.insert(0, str(peers.install(Path(__file__).resolve().parent.parent / ".cache")))
+        run = peers.vllm_lens_harvest if name == "vllm-lens" else peers.interp_engine_harvest
+        done = {"runs": [run(checkpoint, harvest_rows(checkpoint, corpus, context_length))]}
+    elif name == "disk":
+        done = {"runs": [disk_write(scratch, known.get("bytes") or 256 * 2**20)]}
     else:
         done = {"read": read_back(scratch / "all")}
     done["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -270,52 +353,74 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int, scratch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=240)
+    parser.add_argument("--documents", type=int, default=240, help="documents of the packed workload")
+    parser.add_argument("--short-documents", type=int, default=32, help="documents of the short workload")
     parser.add_argument("--context-length", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (a), (b), (c0), (c), (g), (f)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the paired measurements")
+    parser.add_argument("--workloads", default="packed,short", type=lambda text: text.split(","))
+    parser.add_argument(
+        "--peers", action="store_true", help="also measure vllm-lens and interp-engine (installed once)"
+    )
     parser.add_argument(
         "--only",
-        help="measure only these, comma-separated: " + ", ".join([*PAIRED, *ONCE]),
+        help="measure only these, comma-separated: " + ", ".join([*PAIRED, *PEERS, *ONCE]),
         type=lambda text: text.split(","),
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--known", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from nnterp_vllm.checkpoints import smollm2
 
     checkpoint = str(smollm2())
     if args.child:
         scratch = Path(args.scratch)
-        print(
-            json.dumps(
-                child(args.child, checkpoint, scratch / "corpus.jsonl", args.context_length, scratch, args.tokens)
-            )
+        context_length = args.context_length or None
+        result = child(
+            args.child, checkpoint, scratch / "corpus.jsonl", context_length, scratch, json.loads(args.known)
         )
+        print(json.dumps(result))
         return
-    results: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
-        build_corpus(Path(scratch) / "corpus.jsonl", args.documents)
-        tokens = 0
-        for name in [*PAIRED * args.rounds, *ONCE]:
-            if args.only and name not in args.only:
-                continue
-            command = [sys.executable, __file__, "--child", name, "--scratch", scratch, f"--tokens={tokens}"]
-            command += [f"--context-length={args.context_length}"]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"  {name}: failed\n{done.stderr[-3000:]}")
-                continue
-            results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-            tokens = tokens or results[name][0]["runs"][0]["tokens"]
-    report(results, args)
+    for workload in args.workloads:
+        packed = workload == "packed"
+        names = [*PAIRED, *(PEERS if args.peers else ())] * args.rounds + list(ONCE)
+        names = [name for name in names if (packed or name in SHORT) and (not args.only or name in args.only)]
+        results: dict[str, list[dict]] = {}
+        with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
+            build_corpus(Path(scratch) / "corpus.jsonl", args.documents if packed else args.short_documents)
+            known: dict = {}
+            for name in names:
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    name,
+                    "--scratch",
+                    scratch,
+                    f"--known={json.dumps(known)}",
+                ]
+                command += [f"--context-length={args.context_length if packed else 0}"]
+                env = {key: value for key, value in os.environ.items() if key != MULTIPROCESSING}
+                if name in ENGINE_PROCESS:
+                    env[MULTIPROCESSING] = ENGINE_PROCESS[name]
+                done = subprocess.run(command, capture_output=True, text=True, env=env)
+                if done.returncode != 0:
+                    print(f"  {workload} {name}: failed\n{done.stderr[-3000:]}")
+                    continue
+                results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+                first = results[name][0]["runs"][0]
+                known.setdefault("tokens", first["tokens"])
+                if name == "vllm":
+                    known.setdefault("bytes", first["bytes"])
+        report(results, args, workload)
 
 
-def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: str) -> None:
     """Per measurement its median over the rounds; per ratio the median of the rounds' ratios, with their range."""
     rates: dict[str, list[float]] = {}
     seconds: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    written: dict[str, list[float]] = {}
     labels = {
         "plain": "(a) plain forward, base model, all hidden states",
         "ours": "(b) our harvest, all 30 layer_outputs",
@@ -323,26 +428,40 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
         "ours-3": f"(c) our harvest, layers.{SHALLOW}.layer_output",
         "saelens": f"(d) SAELens CacheActivationsRunner, model.layers.{SHALLOW}",
         "vllm-nnsight": "(e) our harvest on vLLM through nnsight, all 30",
-        "plain-vllm": "(g) plain vLLM prefill of the same rows",
+        "plain-vllm": "(g) plain vLLM prefill, in-process",
         "vllm": "(f) our harvest on vLLM in the engine, all 30",
         "vllm-3": f"(f3) our harvest on vLLM in the engine, layers.{SHALLOW}",
+        "plain-vllm-own": "(g-own) plain vLLM prefill, engine in own process",
+        "vllm-own": "(f-own) our harvest, all 30, engine in own process",
+        "vllm-own-3": f"(f3-own) our harvest, layers.{SHALLOW}, own process",
+        "vllm-lens": "(p1) vllm-lens, all 30 residuals, in memory",
+        "interp-engine": "(p2) interp-engine vLLM backend, all 30, in memory",
+        "disk": "(w) the disk: plain write + fsync, same bytes as (f)",
     }
+    rows = f"{args.documents} documents packed into rows of {args.context_length}"
+    if workload == "short":
+        rows = f"{args.short_documents} short documents, whole"
     print(
-        f"SmolLM2-135M fp32, {args.documents} documents packed into rows of {args.context_length}, batch {BATCH_SIZE}; "
-        f"(a)-(c), (f), (g) in {args.rounds} alternating rounds, medians shown"
+        f"SmolLM2-135M fp32, {rows}, batch {BATCH_SIZE}; paired measurements in {args.rounds} alternating rounds, "
+        "medians"
     )
     for name, rounds in results.items():
         for index in range(len(rounds[0].get("runs", []))):
             key = name if index == 0 else f"{name}-3"
             runs = [result["runs"][index] for result in rounds]
-            rates[key] = [run["tokens"] / run["seconds"] for run in runs]
             seconds[key] = [run["seconds"] for run in runs]
-            cpu[key] = [run["cpu"] / run["tokens"] * 1000 for run in runs]
+            written[key] = [run.get("bytes", 0) / run["seconds"] / 2**20 for run in runs]
             peak = max(result["peak_mib"] for result in rounds)
+            if name == "disk":
+                print(f"  {labels[key]:54s} {statistics.median(written[key]):8.1f} MiB/s  ({runs[0]['bytes']} bytes)")
+                continue
+            rates[key] = [run["tokens"] / run["seconds"] for run in runs]
+            cpu[key] = [run["cpu"] / run["tokens"] * 1000 for run in runs]
+            wrote = f"  wrote {statistics.median(written[key]):6.1f} MiB/s" if runs[0].get("bytes") else ""
             print(
                 f"  {labels[key]:54s} {statistics.median(rates[key]):8.1f} tokens/s  "
                 f"{statistics.median(seconds[key]):6.1f} s  CPU {statistics.median(cpu[key]):5.2f} s/1k tokens  "
-                f"peak RSS {peak:6.0f} MiB  ({runs[0]['tokens']} tokens)  {runs[0].get('note', '')}"
+                f"peak RSS {peak:6.0f} MiB  ({runs[0]['tokens']} tokens){wrote}  {runs[0].get('note', '')}"
             )
     if "read" in results:
         read, peak = results["read"][0]["read"], results["read"][0]["peak_mib"]
@@ -364,11 +483,25 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     ratio("(c) time / (c0) time", "ours-3", "plain-4", "<= 1.2", by=seconds)
     ratio("(c)/(d) tokens/s", "ours-3", "saelens", ">= 1")
     ratio("(c)/(b) tokens/s: cost falls with depth", "ours-3", "ours", "> 1")
-    ratio("(f)/(g) tokens/s (wall)", "vllm", "plain-vllm", ">= 0.9")
-    ratio("(g)/(f) CPU time per token", "plain-vllm", "vllm", ">= 0.9", by=cpu)
+    ratio("(f)/(g) tokens/s (wall), both in-process", "vllm", "plain-vllm", ">= 0.95")
+    ratio("(g)/(f) CPU time per token, both in-process", "plain-vllm", "vllm", ">= 0.95", by=cpu)
+    ratio("(f)/(g-own) tokens/s: as each runs by default", "vllm", "plain-vllm-own", ">= 0.95")
+    ratio("(g-own)/(f) CPU per token: as each runs by default", "plain-vllm-own", "vllm", ">= 0.95", by=cpu)
+    ratio("(f-own)/(g-own) tokens/s, both in own process", "vllm-own", "plain-vllm-own", ">= 0.95")
+    ratio("(g-own)/(f-own) CPU per token, both in own process", "plain-vllm-own", "vllm-own", ">= 0.95", by=cpu)
     ratio("(f3)/(g) tokens/s: 4 blocks against the whole model", "vllm-3", "plain-vllm", ">= 4")
     ratio("(f)/(b) tokens/s: vLLM against transformers", "vllm", "ours", ">= 3")
     ratio("(f)/(e) tokens/s: in the engine against nnsight", "vllm", "vllm-nnsight", "")
+    for peer in PEERS:
+        ratio(f"(f)/({peer}) tokens/s", "vllm", peer, ">= 1.2")
+    if "disk" in written:
+        for key in ("vllm", "vllm-3"):
+            if key in written:
+                share = statistics.median(written[key]) / statistics.median(written["disk"])
+                print(
+                    f"  {f'({key}) bytes written/s / the disk (w)':50s} {share:6.3f}   "
+                    "(>= 0.9 where the disk is the limit)"
+                )
     if "read" in results:
         read = results["read"][0]["read"]
         print(

@@ -35,6 +35,7 @@ from ..capture import EXTRA_ARGS_KEY, STATIC_ROOT_VALUES, kept_count, kept_runs
 from ..components import Layers
 from ..components.values import Located
 from ..standardized import Standardized, standard_rename
+from .shared_rows import INTO, open_region
 
 logger = logging.getLogger(__name__)
 
@@ -157,19 +158,25 @@ def unpack(packed: Any) -> torch.Tensor:
 @dataclasses.dataclass
 class KeptRows:
     """A capturing request, as the runner keeps it: its capture in engine form, the buffer slot of each of its
-    values, and its rows so far (a tensor per value, grown as generated tokens come)."""
+    values, and its rows so far (a tensor per value, grown as generated tokens come). A request whose capture names
+    a destination the worker could map (`shared_rows`) keeps its rows there: ``region`` ``[values, rows, hidden]``,
+    its own rows from row ``first`` on, and ``tensors`` are views of them."""
 
     wire: dict[str, Any]
     slots: list[int]
     tensors: list[torch.Tensor]
     filled: int = 0
     taken: bool = False
+    region: torch.Tensor | None = None
+    first: int = 0
 
     def room(self, rows: int) -> None:
         """Make each tensor hold at least ``rows`` rows (doubling), keeping what it holds."""
         capacity = self.tensors[0].shape[0]
         if rows <= capacity:
             return
+        if self.region is not None:
+            raise RuntimeError(f"a request kept {rows} rows into a region that holds {capacity} for it")
         capacity = max(rows, 2 * capacity)
         grown = []
         for tensor in self.tensors:
@@ -178,8 +185,10 @@ class KeptRows:
             grown.append(bigger)
         self.tensors = grown
 
-    def named(self) -> dict[str, torch.Tensor]:
-        """Each value's rows so far, ``[kept, hidden]``, in position order."""
+    def named(self) -> dict[str, torch.Tensor] | None:
+        """Each value's rows so far, ``[kept, hidden]``, in position order; ``None`` where they lie in the region."""
+        if self.region is not None:
+            return None
         return {name: tensor[: self.filled] for name, tensor in zip(self.wire["values"], self.tensors)}
 
 
@@ -193,12 +202,36 @@ def keeps_rows() -> bool:
 
 def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) -> None:
     """Copy one step's kept rows, ``rows [values, step tokens, hidden]`` on the host, into their requests' tensors:
-    ``step`` lists each run as ``(request, first token in the step, first row of the request, length)``."""
+    ``step`` lists each run as ``(request, first token in the step, first row of the request, length)``. Runs of
+    requests whose rows lie next to each other in one region, as they lie in the step, go in one copy."""
+    merged: list[Any] = []  # [region, slots, first token, first region row, length]
     for kept, token, row, length in step:
         kept.room(row + length)
-        for tensor, slot in zip(kept.tensors, kept.slots):
-            tensor[row : row + length].copy_(rows[slot, token : token + length])
         kept.filled = max(kept.filled, row + length)
+        if kept.region is None:
+            for tensor, slot in zip(kept.tensors, kept.slots):
+                tensor[row : row + length].copy_(rows[slot, token : token + length])
+            continue
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last[0] is kept.region
+            and last[1] == kept.slots
+            and last[2] + last[4] == token
+            and last[3] + last[4] == kept.first + row
+        ):
+            last[4] += length
+        else:
+            merged.append([kept.region, kept.slots, token, kept.first + row, length])
+    for region, slots, token, row, length in merged:
+        region[:, row : row + length].copy_(rows[_slots_index(slots), token : token + length])
+
+
+def _slots_index(slots: list[int]) -> slice | list[int]:
+    """``slots`` as an index of the buffer's first dimension: a slice (a view) where they are consecutive."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return slots
 
 
 #: Pinned host buffers the kept rows of consecutive steps arrive in, in turn.
@@ -290,6 +323,8 @@ class Capturer:
         self.keeps = keeps_rows()
         self.hidden = model_config.get_hidden_size()
         self.requests: dict[str, KeptRows | None] = {}
+        #: Destinations mapped here (`shared_rows`), by id: the region and how many requests write into it.
+        self.regions: dict[str, list[Any]] = {}
         self.finished: collections.OrderedDict[str, KeptRows] = collections.OrderedDict()
         self.step: list[tuple[KeptRows, int, int, int]] = []
         self.step_tokens = 0
@@ -327,12 +362,40 @@ class Capturer:
         kept = None
         if wire is not None and self.keeps:
             dtype = getattr(torch, wire["dtype"])
-            expected = wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1)
-            capacity = max(1, min(kept_count(wire, expected), wire["prompt_tokens"] + 16))
-            tensors = [torch.empty(capacity, self.hidden, dtype=dtype) for _ in wire["values"]]
-            kept = KeptRows(wire, [self.slots[name] for name in wire["values"]], tensors)
+            slots = [self.slots[name] for name in wire["values"]]
+            region = self._region(wire[INTO], dtype) if INTO in wire else None
+            if region is not None:
+                first = wire[INTO]["first"]
+                count = kept_count(wire, wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1))
+                tensors = [values[first : first + count] for values in region]
+                kept = KeptRows(wire, slots, tensors, region=region, first=first)
+            else:
+                expected = wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1)
+                capacity = max(1, min(kept_count(wire, expected), wire["prompt_tokens"] + 16))
+                kept = KeptRows(wire, slots, [torch.empty(capacity, self.hidden, dtype=dtype) for _ in wire["values"]])
         self.requests[request_id] = kept
         return kept
+
+    def _region(self, into: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
+        """The destination ``into`` names, mapped once while requests write into it (`release` lets go)."""
+        held = self.regions.get(into["id"])
+        if held is None:
+            region = open_region(into, dtype)
+            if region is None:
+                return None
+            held = self.regions[into["id"]] = [region, 0]
+        held[1] += 1
+        return held[0]
+
+    def release(self, kept: KeptRows) -> None:
+        """A request writing into a region is done with it: the last one lets go of the mapping."""
+        if kept.region is None:
+            return
+        key = kept.wire[INTO]["id"]
+        held = self.regions[key]
+        held[1] -= 1
+        if held[1] == 0:
+            del self.regions[key]
 
     def forget(self, request_id: str) -> None:
         """A request left the engine (finished or aborted): its rows wait for the client, within a bound."""
@@ -341,7 +404,8 @@ class Capturer:
             return
         self.finished[f"{kept.wire['key']}/{request_id}"] = kept
         while len(self.finished) > FINISHED_KEPT:
-            dropped, _ = self.finished.popitem(last=False)
+            dropped, kept = self.finished.popitem(last=False)
+            self.release(kept)
             logger.warning("captured rows of request %s were never taken; dropped", dropped)
 
     # -- per step -------------------------------------------------------------------------------------
@@ -376,25 +440,29 @@ class Capturer:
 
     def take(self, keys: Sequence[str], packed: bool) -> dict[str, dict[str, dict[str, Any]]]:
         """The rows of the requests carrying capture ``keys``: ``{key: {request id: {value name: [kept, hidden]}}}``
-        (one request id per completion), handed over and forgotten here; each tensor `packed` where the rows
-        leave this process (an RPC result crosses processes as plain data)."""
+        (one request id per completion; ``None`` for one whose rows lie in its destination, `shared_rows`), handed
+        over and forgotten here; each tensor `packed` where the rows leave this process (an RPC result crosses
+        processes as plain data)."""
         if self.leaving is not None:  # the rows still on their way from the accelerator arrive first
             self.leaving.deliver(wait=True)
         wanted = set(keys)
-        found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        found: dict[str, dict[str, Any]] = {}
         for entry, kept in list(self.finished.items()):
             key, request_id = entry.split("/", 1)
             if key in wanted:
                 found.setdefault(key, {})[request_id] = kept.named()
                 del self.finished[entry]
+                self.release(kept)
         for request_id, kept in self.requests.items():
             if kept is not None and not kept.taken and kept.wire["key"] in wanted:
                 found.setdefault(kept.wire["key"], {})[request_id] = kept.named()
                 kept.taken = True
+                self.release(kept)
         if packed:
             for requests in found.values():
                 for named in requests.values():
-                    named.update({name: pack(rows) for name, rows in named.items()})
+                    if named is not None:
+                        named.update({name: pack(rows) for name, rows in named.items()})
         return found
 
     def stats(self) -> dict[str, Any]:
@@ -405,6 +473,7 @@ class Capturer:
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),
             "steps_on_the_way": len(self.leaving.on_the_way) if self.leaving is not None else 0,
+            "regions_mapped": len(self.regions),
         }
 
 

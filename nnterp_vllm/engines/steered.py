@@ -25,6 +25,7 @@ from ..steering import EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, s
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
+from .shared_rows import INTO
 from .steered_settings import CONFIG_KEY, ROWS_PER_REQUEST, steered_engine_args, steering_settings
 from .vllm_platform import TAKEN, remove_socket_directory, socket_directory
 
@@ -196,6 +197,43 @@ class SteeredVLLM(SteeringClient, LLM):
 
         Every spec is checked against the model and its prompt before any request reaches the engine.
         """
+        wires = [
+            wire
+            for _, wire in self.submit(
+                prompts,
+                sampling_params,
+                steering,
+                capture=capture,
+                lora_request=lora_request,
+                priority=priority,
+                tokenization_kwargs=tokenization_kwargs,
+            )
+        ]
+        keys = [wire["key"] for wire in wires if wire is not None]
+        try:
+            outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
+        finally:
+            taken = self.take_captured(keys) if keys else {}
+        for output, wire in zip(outputs, wires):
+            attach_activations(output, wire, taken)
+        return outputs
+
+    def submit(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        steering: Any = None,
+        *,
+        capture: Any = None,
+        lora_request: Any = None,
+        priority: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        destinations: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[tuple[str, dict[str, Any] | None]]:
+        """Check and add requests as `generate` does, without running the engine: each prompt's request id (as its
+        ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order. ``llm_engine.step()`` runs them;
+        `take_captured` takes their rows. ``destinations`` (one per prompt, `shared_rows.SharedRows.destination`)
+        has the engine keep a capturing request's rows in shared memory the caller made."""
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         prompts = prompt_to_seq(prompts)
@@ -206,21 +244,18 @@ class SteeredVLLM(SteeringClient, LLM):
         kept = capture_specs.per_prompt(capture, len(prompts))
         rendered = self._preprocess_cmpl(prompts, tokenization_kwargs)
         requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept)]
-        self._render_and_add_requests(
+        wires = [wire for _, _, wire in requests]
+        for wire, destination in zip(wires, destinations or ()):
+            if wire is not None and destination is not None:
+                wire[INTO] = destination
+        ids = self._render_and_add_requests(
             prompts=[engine_input for engine_input, _, _ in requests],
             params=[request_params for _, request_params, _ in requests],
             lora_requests=self._lora_request_to_seq(lora_request, len(prompts)),
             priorities=self._priority_to_seq(priority, len(prompts)),
         )
-        wires = [wire for _, _, wire in requests]
-        keys = [wire["key"] for wire in wires if wire is not None]
-        try:
-            outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
-        finally:
-            taken = self.take_captured(keys) if keys else {}
-        for output, wire in zip(outputs, wires):
-            attach_activations(output, wire, taken)
-        return outputs
+        # vLLM's engine adds a random suffix to the id it numbered a request with; its outputs carry the number.
+        return [(request_id.split("-", 1)[0], wire) for request_id, wire in zip(ids, wires)]
 
     def take_captured(self, keys: Sequence[str]) -> dict[str, Any]:
         """The rows the engine kept for the requests whose captures carry ``keys``, handed over and forgotten

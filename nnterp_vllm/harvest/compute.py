@@ -21,7 +21,7 @@ import torch
 from . import in_engine
 from .corpus import Row
 from .in_engine import CAPTURE_VALUES, EngineHarvester
-from .layouts import Columns
+from .layouts import METADATA, Columns
 from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed
 from .store import write_shard
 
@@ -154,6 +154,21 @@ def _kept(row: Row, positions: Any) -> slice | torch.Tensor:
     return mask
 
 
+def metadata(unit_rows: list[Row], positions: Any) -> tuple[Columns, list[slice | torch.Tensor]]:
+    """A shard's metadata columns (``token_ids``, ``documents``, ``offsets``, ``rows``), one part per row at its kept
+    positions; and per row those positions (`_kept`)."""
+    columns: Columns = {name: [] for name in METADATA}
+    kept_positions = []
+    for number, row in enumerate(unit_rows):
+        kept = _kept(row, positions)
+        columns["token_ids"].append(torch.tensor(row.token_ids, dtype=torch.int64)[kept])
+        columns["documents"].append(torch.tensor(row.documents, dtype=torch.int64)[kept])
+        columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
+        columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
+        kept_positions.append(kept)
+    return columns, kept_positions
+
+
 def compute(model: Any, unit: Unit, job: Job) -> Columns:
     """The shard's columns: metadata and every selected value, one ``[kept tokens, ...]`` part per row, in
     corpus order (a layout writes the parts as they are)."""
@@ -166,14 +181,9 @@ def compute(model: Any, unit: Unit, job: Job) -> Columns:
     else:
         per_row = _run_transformers(model, unit.rows, job)
     dtype = getattr(torch, job.dtype)
-    columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("token_ids", "documents", "offsets", "rows")}
+    columns, kept_positions = metadata(unit.rows, job.positions)
     columns.update({selection.name: [] for selection in job.selections})
-    for number, (row, values) in enumerate(zip(unit.rows, per_row)):
-        kept = _kept(row, job.positions)
-        columns["token_ids"].append(torch.tensor(row.token_ids, dtype=torch.int64)[kept])
-        columns["documents"].append(torch.tensor(row.documents, dtype=torch.int64)[kept])
-        columns["offsets"].append(torch.tensor(row.offsets, dtype=torch.int64)[kept])
-        columns["rows"].append(torch.full(columns["token_ids"][-1].shape, number, dtype=torch.int64))
+    for values, kept in zip(per_row, kept_positions):
         for selection in job.selections:
             value = values[selection.name] if kept_already else values[selection.name][kept]
             # Expert indices stay integers; activations are stored in the harvest's dtype.

@@ -1,19 +1,21 @@
 """The vLLM harvest's in-engine path: the engine keeps the selected values itself, inside its compiled model.
 
 Where every selected value is a stream the engine keeps (`capture.STATIC_VALUES`), a vLLM harvest of a
-checkpoint builds a `SteeredVLLM` keeping exactly those values (`engine_settings`) and runs each shard's rows
-as one continuous batch of prefill-only requests (one token sampled, no prefix cache, the blocks up to the
-deepest value read). The worker copies each step's kept rows straight into each request's tensors, in the
-harvest's dtype; those tensors are the parts the shard writer writes (`run.compute`), handed over once per
-shard (in-process, by reference), never one token or one request at a time through the engine's output
-queue. Other values (the attention interior, the experts' choice, logits) go through nnsight
-(`StandardizedVLLM`); the manifest's ``vllm_path`` says which path ran.
+checkpoint builds a `SteeredVLLM` keeping exactly those values (`engine_settings`) and runs the shards' rows as
+one continuous stream of prefill-only requests (one token sampled, no prefix cache, the blocks up to the deepest
+value read; `pipeline`), the engine's core in the harvest's own process unless the caller set vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING`` (`in_process_by_default`). The worker copies each step's kept rows straight
+into the shard's columns, in shared memory, in the harvest's dtype; they never travel one token or one request at
+a time through the engine's output queue. Other values (the attention interior, the experts' choice, logits) go
+through nnsight (`StandardizedVLLM`); the manifest's ``vllm_path`` says which path ran and ``engine_process``
+where the engine ran.
 
 This module imports no vLLM until an engine is built.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from .selection import BLOCK_ORDER, MODULE_OUTPUTS, ROOT_VALUES, Selection, Sele
 ENGINE_DEFAULTS = {"enable_prefix_caching": False, "max_num_batched_tokens": 2048}
 #: The setting that makes `run.load_model` build this path's engine.
 CAPTURE_VALUES = "capture_values"
+#: vLLM's setting for running the engine's core in a process of its own (``1``, its default) or in the caller's.
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def serves(selectors: list[Selector]) -> bool:
@@ -57,7 +61,12 @@ class EngineHarvester:
         from ..engines.steered import SteeredVLLM
 
         self.owned = not isinstance(model, SteeredVLLM)
-        self.llm = SteeredVLLM(model, **kwargs) if self.owned else model
+        self.chose_in_process = self.owned and in_process_by_default()
+        try:
+            self.llm = SteeredVLLM(model, **kwargs) if self.owned else model
+        except BaseException:
+            self._restore_arrangement()
+            raise
         model_config = self.llm.vllm_config.model_config
         self.config = model_config.hf_config
         self.tokenizer = self.llm.get_tokenizer()
@@ -101,10 +110,43 @@ class EngineHarvester:
         outputs = self.llm.generate(prompts, params, capture=capture, use_tqdm=False)
         return [output.activations for output in outputs]
 
+    @property
+    def engine_process(self) -> str:
+        """Where the engine's core runs: ``"in-process"`` (with the harvest) or ``"own process"`` (vLLM's default)."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        return "in-process" if isinstance(self.llm.llm_engine.engine_core, InprocClient) else "own process"
+
     def shutdown(self) -> None:
         """Stop the engine, if this harvester built it."""
         if self.owned:
-            self.llm.shutdown()
+            try:
+                self.llm.shutdown()
+            finally:
+                self._restore_arrangement()
+
+    def _restore_arrangement(self) -> None:
+        if self.chose_in_process:
+            self.chose_in_process = False
+            os.environ.pop(MULTIPROCESSING, None)
+            from vllm import envs
+
+            if envs._is_envs_cache_enabled():
+                envs.disable_envs_cache()
 
 
-__all__ = ["ENGINE_DEFAULTS", "EngineHarvester", "engine_settings", "serves"]
+def in_process_by_default() -> bool:
+    """Run the harvest's own engine in this process, unless the caller chose (``VLLM_ENABLE_V1_MULTIPROCESSING`` set):
+    nothing crosses a process boundary then, and on vLLM's CPU build the engine keeps this process's threads (in a
+    process of its own it runs one). Whether it did is the manifest's ``engine_process``."""
+    if MULTIPROCESSING in os.environ:
+        return False
+    os.environ[MULTIPROCESSING] = "0"
+    from vllm import envs
+
+    if envs._is_envs_cache_enabled():
+        envs.disable_envs_cache()
+    return True
+
+
+__all__ = ["ENGINE_DEFAULTS", "EngineHarvester", "engine_settings", "in_process_by_default", "serves"]

@@ -3,14 +3,16 @@
 The corpus becomes context rows (`corpus`), the rows become shards of about
 ``shard_bytes`` each, cut at row boundaries in corpus order: the plan depends on the
 corpus and the settings only, so a rerun, a resumed run and a run fanned out over Ray
-workers (`fanout`) write the same shards. Each shard is computed (`compute`) and written on a
-thread while the next one is computed, then recorded in the manifest. Each unit carries the
+workers (`fanout`) write the same shards. Each shard is computed (`compute`; on vLLM's in-engine path the
+engine is fed across shards as one stream, `pipeline`) and written on a thread while the next ones are
+computed (`BackgroundWriter`, a bounded queue), then recorded in the manifest. Each unit carries the
 digest of the corpus read up to its cut, which its record keeps: a rerun compares those before it
 trusts (skips) a recorded shard (`resume`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import ranks
+from . import pipeline, ranks
 from .compute import (
     Job,
     Unit,
@@ -77,28 +79,38 @@ def plan(row_stream: Iterator[Row], tokens_per_shard: int, digest: Callable[[], 
         yield unit
 
 
+#: Computed shards the writer holds at most: the one being written and the next. A harvest computing faster than
+#: its disk takes waits only when both are taken.
+WRITES_QUEUED = 2
+
+
 class BackgroundWriter:
-    """Writes each computed shard on a thread while the next one is computed, one write at a time, and
-    records it (``finished(index, record)``) on the caller's thread, in order. Memory: one shard more
-    than a computed one. On leaving, a write under way is finished and recorded, even after an error."""
+    """Writes computed shards on a thread, in order, one at a time, while the next ones are computed, and records
+    each (``finished(index, record)``) on the caller's thread, in order. At most `WRITES_QUEUED` shards wait or are
+    being written: `put` waits for the oldest when the queue is full. On leaving, the writes under way are
+    finished and recorded, even after an error."""
 
     def __init__(self, job: Job, finished: Callable[[int, dict[str, Any]], None]) -> None:
         self.job = job
         self.finished = finished
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harvest-writer")
-        self.pending: tuple[Unit, Future] | None = None
+        self.pending: collections.deque[tuple[Unit, Future]] = collections.deque()
 
     def put(self, unit: Unit, columns: Columns) -> None:
-        """Write ``columns`` (unit ``unit``) once the write before it is done and recorded."""
-        self.drain()
-        self.pending = (unit, self.pool.submit(write_unit, unit, columns, self.job))
+        """Queue ``columns`` (unit ``unit``) for writing, once there is room; record the writes done meanwhile."""
+        while self.pending and (len(self.pending) >= WRITES_QUEUED or self.pending[0][1].done()):
+            self.record_oldest()
+        self.pending.append((unit, self.pool.submit(write_unit, unit, columns, self.job)))
+
+    def record_oldest(self) -> None:
+        """Wait for the oldest write and record it (its error, if any, raised here)."""
+        unit, future = self.pending.popleft()
+        self.finished(unit.index, future.result())
 
     def drain(self) -> None:
-        """Wait for the write under way and record it (its error, if any, raised here)."""
-        if self.pending is not None:
-            unit, future = self.pending
-            self.pending = None
-            self.finished(unit.index, future.result())
+        """Wait for every queued write and record it."""
+        while self.pending:
+            self.record_oldest()
 
     def __enter__(self) -> BackgroundWriter:
         return self
@@ -333,6 +345,7 @@ def harvest(
                 "attention": attention_of(model),
                 "blocks_run": blocks_run(selectors, model),
                 "vllm_path": "engine" if CAPTURE_VALUES in model_kwargs else vllm_path(model),
+                "engine_process": model.engine_process if isinstance(model, EngineHarvester) else None,
                 "dtype": dtype,
                 "format": format,
                 "values": entries,
@@ -374,10 +387,15 @@ def harvest(
             run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished)
         else:
             with BackgroundWriter(job, finished) as writer:
-                for unit in todo:
-                    if leader is not None:
-                        leader.send(unit, job)
-                    writer.put(unit, compute(model, unit, job))
+                if isinstance(model, EngineHarvester):
+                    with contextlib.closing(pipeline.shards(model, todo, job)) as computed:
+                        for unit, columns in computed:
+                            writer.put(unit, columns)
+                else:
+                    for unit in todo:
+                        if leader is not None:
+                            leader.send(unit, job)
+                        writer.put(unit, compute(model, unit, job))
         store.finish(stats.as_dict(), documents.hexdigest())
         print(bar.summary(store.out))
     return load_harvest(store.out)

@@ -1,0 +1,80 @@
+"""Kept rows written straight into memory the client shares with the engine: a harvest's shard, filled in place.
+
+A capture may name a destination (`SharedRows.destination`, under ``INTO`` in its engine form): a region of
+memory the client made, ``[values, rows, hidden]`` in the capture's dtype, and the first row of it that is the
+request's. The worker maps the region (`open_region`) and hands the request's rows on into it, so they are
+copied once, from the engine's buffer, and never cross the engine's RPC; a step's rows for requests that lie
+next to each other in the region go in one copy per step (`capture.hand_on`). The region is an anonymous
+memory file (``memfd_create``) that the worker opens by its ``/proc`` path, so it is freed once the client
+and the worker have both let go of it, however either ends: nothing is left behind in ``/dev/shm``. A worker
+on another host, or one that cannot open the file, keeps the rows in tensors of its own as usual; the client
+copies those in (`SharedRows.fill`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any
+
+import torch
+
+#: The key of a capture's engine form that names its destination.
+INTO = "into"
+
+
+class SharedRows:
+    """A ``[values, rows, hidden]`` region of shared memory in ``dtype``, which an engine on this host fills in place.
+
+    ``tensor`` is the region; `close` lets go of it (the worker lets go of its own mapping when the requests
+    writing into it are taken).
+    """
+
+    def __init__(self, values: int, rows: int, hidden: int, dtype: torch.dtype) -> None:
+        self.shape = (values, rows, hidden)
+        count = values * rows * hidden
+        self.id = uuid.uuid4().hex
+        self.descriptor: int | None = os.memfd_create("nnterp-vllm-rows", os.MFD_CLOEXEC)
+        os.ftruncate(self.descriptor, max(1, count * torch.empty((), dtype=dtype).element_size()))
+        self.path = f"/proc/{os.getpid()}/fd/{self.descriptor}"
+        self.tensor = torch.from_file(self.path, shared=True, size=max(1, count), dtype=dtype)[:count].view(self.shape)
+
+    def destination(self, first: int) -> dict[str, Any]:
+        """A capture's ``INTO`` entry: the request's rows go to this region from row ``first`` on."""
+        return {
+            "id": self.id,
+            "path": self.path,
+            "host": socket.gethostname(),
+            "shape": list(self.shape),
+            "first": first,
+        }
+
+    def fill(self, first: int, rows: dict[str, torch.Tensor], names: list[str]) -> None:
+        """Copy rows a worker kept in tensors of its own (``rows``: value name -> ``[kept, hidden]``) to their place."""
+        for index, name in enumerate(names):
+            kept = rows[name]
+            self.tensor[index, first : first + len(kept)].copy_(kept)
+
+    def close(self) -> None:
+        """Let go of the region (its memory is freed once the worker has too)."""
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
+
+
+def open_region(into: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
+    """The region ``into`` names, mapped in this process; ``None`` where it lies on another host or cannot be opened
+    (the rows are then kept as usual)."""
+    if into["host"] != socket.gethostname():
+        return None
+    shape = tuple(into["shape"])
+    count = shape[0] * shape[1] * shape[2]
+    try:
+        region = torch.from_file(into["path"], shared=True, size=max(1, count), dtype=dtype)
+    except (RuntimeError, OSError):
+        return None
+    return region[:count].view(shape)
+
+
+__all__ = ["INTO", "SharedRows", "open_region"]

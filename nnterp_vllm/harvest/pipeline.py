@@ -1,0 +1,133 @@
+"""The in-engine harvest as one stream: the engine fed across shard boundaries, each shard's rows kept in place.
+
+`shards` keeps at least `FEED_STEPS` engine steps' worth of tokens in the engine, opening as many shards as that
+takes (a shard's requests are added all at once), so the next shard's rows are scheduled while the last requests
+of the one before finish (the engine never drains at a shard's end), and steps it itself. Each open shard has its
+values' region of shared memory (`engines.shared_rows.SharedRows`), laid out as the shard's columns: the engine's
+worker copies each step's kept rows straight to their places there, one copy per step for the requests that lie
+side by side, and the region is the column the writer writes. Nothing is done per token, or per request beyond
+adding it; a finished shard costs one call to the worker (to take its requests' rows, which frees them there)
+and is handed on, in corpus order, to the writer, whose queue is bounded (`run.BackgroundWriter`): a writer that
+falls behind holds the engine back only once that queue is full.
+
+Memory: the regions of the open shards and of the shards queued for writing: at most ``FEED_STEPS *
+max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..capture import Capture
+from .compute import Job, Unit, metadata
+from .in_engine import EngineHarvester
+from .layouts import Columns
+
+#: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
+#: before runs, whatever the shards' sizes.
+FEED_STEPS = 2
+
+
+@dataclass
+class OpenShard:
+    """A shard in the engine: its unit, metadata columns, region, and the requests still running."""
+
+    unit: Unit
+    columns: Columns
+    region: Any
+    names: list[str]
+    #: Each capturing request's id -> (its capture key, the first region row that is its).
+    requests: dict[str, tuple[str, int]] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)
+    #: Prompt tokens of the running requests.
+    tokens: int = 0
+
+
+def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Iterator[tuple[Unit, Columns]]:
+    """Each unit of ``units`` computed by ``harvester``'s engine, as its shard's columns, in order; the engine fed
+    continuously. Leaving early (an error, a closed generator) aborts what is still running."""
+    from vllm import SamplingParams
+
+    from ..engines.capture import unpack
+    from ..engines.shared_rows import SharedRows
+
+    llm = harvester.llm
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    wanted = [selection.name for selection in job.selections]
+    kinds = {"all": Capture(wanted, "all", job.dtype), "last": Capture(wanted, "last", job.dtype)}
+    dtype = getattr(torch, job.dtype)
+    names = kinds["all"].names(harvester.num_layers)
+    feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
+    opened: list[OpenShard] = []
+    owner: dict[str, OpenShard] = {}
+    units = iter(units)
+
+    def open_shard(unit: Unit) -> OpenShard:
+        columns, kept = metadata(unit.rows, job.positions)
+        counts = [len(part) for part in columns["token_ids"]]
+        region = SharedRows(len(names), sum(counts), harvester.hidden_size, dtype)
+        shard = OpenShard(unit, columns, region, names)
+        columns.update({name: [region.tensor[names.index(name)]] for name in wanted})
+        prompts, captures, destinations = [], [], []
+        first = 0
+        for row, count, positions in zip(unit.rows, counts, kept):
+            if count:  # a row that keeps nothing is not run
+                prompts.append({"prompt_token_ids": list(row.token_ids)})
+                if isinstance(job.positions, str):
+                    captures.append(kinds[job.positions])
+                else:
+                    captures.append(Capture(wanted, positions.nonzero().flatten().tolist(), dtype))
+                destinations.append(region.destination(first))
+            first += count
+        submitted = llm.submit(prompts, params, capture=captures, destinations=destinations) if prompts else []
+        for (request_id, wire), destination, prompt in zip(submitted, destinations, prompts):
+            shard.requests[request_id] = (wire["key"], destination["first"])
+            shard.tokens += len(prompt["prompt_token_ids"])
+            owner[request_id] = shard
+        shard.running = set(shard.requests)
+        return shard
+
+    def finish(shard: OpenShard) -> Columns:
+        taken = llm.take_captured([key for key, _ in shard.requests.values()]) if shard.requests else {}
+        for key, first in shard.requests.values():
+            rows = next(iter(taken.get(key, {}).values()), None)  # one request (one completion) per capture key
+            if rows is not None:  # kept by a worker that could not map the region
+                shard.region.fill(first, {name: unpack(found) for name, found in rows.items()}, shard.names)
+        shard.region.close()
+        return shard.columns
+
+    try:
+        exhausted = False
+        while True:
+            while not exhausted and sum(shard.tokens for shard in opened) < feed:
+                unit = next(units, None)
+                exhausted = unit is None
+                if unit is not None:
+                    opened.append(open_shard(unit))
+            if not opened:
+                return
+            if not opened[0].running:
+                shard = opened.pop(0)
+                yield shard.unit, finish(shard)
+                continue
+            for output in engine.step():
+                if output.finished and output.request_id in owner:
+                    shard = owner.pop(output.request_id)
+                    shard.running.discard(output.request_id)
+                    shard.tokens -= len(output.prompt_token_ids)
+    finally:
+        running = [request_id for shard in opened for request_id in shard.running]
+        if running:
+            engine.abort_request(running, internal=True)
+        for shard in opened:
+            if shard.requests:
+                llm.take_captured([key for key, _ in shard.requests.values()])
+            shard.region.close()
+
+
+__all__ = ["FEED_STEPS", "shards"]

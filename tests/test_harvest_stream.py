@@ -1,0 +1,171 @@
+"""The in-engine harvest as one stream: fed across shards, rows kept in shared memory, writes queued within a bound,
+the engine in the harvest's process unless told otherwise; every arrangement equal to the transformers harvest."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import tiny
+import torch
+from test_harvest import documents
+
+from nnterp_vllm.harvest import harvest
+from nnterp_vllm.harvest import run as run_module
+
+VALUES = ["layers.*.layer_output", "layers.1.mlp_output"]
+OPTIONS = {"shard_bytes": 20_000, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def llama_path():
+    return tiny.checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def on_transformers(llama_path, tmp_path_factory):
+    return harvest(llama_path, documents(24, seed=3), VALUES, tmp_path_factory.mktemp("hf") / "out", **OPTIONS)
+
+
+def assert_same_harvest(harvested, reference) -> None:
+    for name in ("token_ids", "documents", "offsets", "rows"):
+        assert torch.equal(harvested.load(name), reference.load(name)), name
+    assert harvested.values == reference.values
+    for name in reference.values:
+        torch.testing.assert_close(harvested.load(name), reference.load(name), atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_runs_in_process_and_is_fed_across_shards(llama_path, on_transformers, tmp_path, monkeypatch):
+    """Unless told otherwise the harvest runs its own engine in its process (and leaves vLLM's setting as it found
+    it); the engine is never drained at a shard's end: the whole corpus takes the steps its tokens need, not one or
+    more per shard."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    steps = []
+    step = LLMEngine.step
+
+    def counted(self):
+        steps.append(self.get_num_unfinished_requests())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", counted)
+    vllm = {"engine": "vllm", "model_kwargs": {"dtype": "float32"}}
+    harvested = harvest(llama_path, documents(24, seed=3), VALUES, tmp_path / "out", **vllm, **OPTIONS)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    manifest = harvested.manifest
+    assert manifest["vllm_path"] == "engine" and manifest["engine_process"] == "in-process"
+    assert len(harvested.shards) >= 6
+    assert len(steps) <= math.ceil(len(harvested) / 2048) + 1, (len(steps), len(harvested.shards))
+    assert_same_harvest(harvested, on_transformers)
+
+
+def test_an_engine_in_its_own_process_fills_the_shared_rows(llama_path, on_transformers, tmp_path, monkeypatch):
+    """Where the caller keeps vLLM's engine core in a process of its own, that process writes the rows into the
+    harvest's shared memory; nothing is left in /dev/shm."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    before = set(os.listdir("/dev/shm"))
+    vllm = {"engine": "vllm", "model_kwargs": {"dtype": "float32"}}
+    harvested = harvest(llama_path, documents(24, seed=3), VALUES, tmp_path / "out", **vllm, **OPTIONS)
+    assert harvested.manifest["engine_process"] == "own process"
+    assert_same_harvest(harvested, on_transformers)
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    from nnterp_vllm import SteeredVLLM
+
+    model = SteeredVLLM(llama_path, dtype="float32", capture_values=VALUES, enable_prefix_caching=False)
+    yield model
+    model.shutdown()
+
+
+class TestOnASteeredVLLM:
+    def test_rows_a_worker_cannot_place_in_shared_memory_are_copied_in(self, engine, on_transformers, tmp_path):
+        """A worker that cannot map the region (on another host) keeps the rows itself; the client puts them in
+        place: the same bytes as rows written in place."""
+        from nnterp_vllm.engines import capture
+
+        docs = documents(24, seed=3)
+        in_place = harvest(engine, docs, VALUES, tmp_path / "in-place", **OPTIONS)
+        assert engine.capture_stats()[0]["regions_mapped"] == 0  # each let go of once its shard was taken
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(capture, "open_region", lambda into, dtype: None)
+            copied = harvest(engine, docs, VALUES, tmp_path / "copied", **OPTIONS)
+        assert_same_harvest(in_place, on_transformers)
+        for left, right in zip(in_place.shards, copied.shards):
+            assert left.read_bytes() == right.read_bytes()
+
+    def test_a_failed_write_stops_the_stream_and_leaves_the_engine_clean(self, engine, tmp_path, monkeypatch):
+        """A write that fails ends the harvest with its error; the requests still in the engine are aborted and
+        their rows let go; the shards written before it stay recorded and the engine serves the next harvest."""
+        write = run_module.write_unit
+        written = []
+
+        def failing(unit, columns, job):
+            if len(written) == 2:
+                raise OSError(28, "No space left on device")
+            written.append(unit.index)
+            return write(unit, columns, job)
+
+        monkeypatch.setattr(run_module, "write_unit", failing)
+        with pytest.raises(OSError, match="No space left"):
+            harvest(engine, documents(24, seed=3), VALUES, tmp_path / "out", **OPTIONS)
+        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert sorted(int(index) for index in manifest["shards"]) == [0, 1]
+        stats = engine.capture_stats()[0]
+        assert stats["regions_mapped"] == 0 and stats["finished_held"] == 0
+        monkeypatch.setattr(run_module, "write_unit", write)
+        resumed = harvest(engine, documents(24, seed=3), VALUES, tmp_path / "out", **OPTIONS)
+        assert resumed.manifest["complete"]
+
+
+def test_a_slow_writer_holds_the_computation_back_only_once_its_queue_is_full(tmp_path, monkeypatch):
+    """The writer takes `WRITES_QUEUED` shards before `put` waits; records come in order."""
+    release = threading.Event()
+    started = []
+
+    def slow(unit, columns, job):
+        started.append(unit.index)
+        release.wait(30)
+        return {"index": unit.index}
+
+    monkeypatch.setattr(run_module, "write_unit", slow)
+    recorded = []
+    writer = run_module.BackgroundWriter(None, lambda index, record: recorded.append(index))
+    with writer:
+        for index in range(run_module.WRITES_QUEUED):
+            writer.put(run_module.Unit(index), {})
+        assert len(writer.pending) == run_module.WRITES_QUEUED and recorded == []
+        blocked = threading.Thread(target=writer.put, args=(run_module.Unit(9), {}))
+        blocked.start()
+        blocked.join(0.5)
+        assert blocked.is_alive()  # waits for room in the queue
+        release.set()
+        blocked.join(30)
+        assert not blocked.is_alive()
+    assert recorded == [*range(run_module.WRITES_QUEUED), 9]
+
+
+def test_shared_rows_written_by_another_process_are_seen_here():
+    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
+
+    region = SharedRows(2, 5, 3, torch.float32)
+    into = region.destination(first=1)
+    code = (
+        "import sys, torch, json; from nnterp_vllm.engines.shared_rows import open_region; "
+        "region = open_region(json.loads(sys.argv[1]), torch.float32); region[:, 1:].fill_(7.0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(into)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(region.tensor[:, 1:], torch.full((2, 4, 3), 7.0))
+    assert torch.equal(region.tensor[:, 0], torch.zeros(2, 3))
+    assert open_region({**into, "host": "elsewhere"}, torch.float32) is None
+    region.close()
+    assert open_region(into, torch.float32) is None  # closed: nothing left to open
