@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peers import cpu_seconds
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -70,39 +72,6 @@ ENGINE_PROCESS = {
     **dict.fromkeys(PEERS, "0"),
 }
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process and every process it started, user and system: the finished ones (reaped) and the
-    ones still running (an engine core in its own process), read from /proc."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + running_children_cpu(os.getpid())
-
-
-def running_children_cpu(root: int) -> float:
-    """CPU seconds of the live descendants of process ``root`` (their threads and reaped children included)."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = sum(int(value) for value in fields[11:15]) / tick  # utime stime cutime cstime
-    total, frontier = 0.0, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent:
-                total += times[pid]
-                frontier.append(pid)
-    return total
 
 
 def context_settings(context_length: int | None):
