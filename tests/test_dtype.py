@@ -64,6 +64,13 @@ def test_vllm_engine_arguments_follow_the_rule(fp32_path, bf16_path):
     taken = engine_kwargs(str(fp32_path), torch_dtype=torch.float16)
     assert taken["dtype"] == "float16" and "torch_dtype" not in taken
     assert engine_kwargs(str(bf16_path), dtype="half")["dtype"] == "float16"
+    # The server's engine (`nnterp-vllm serve`, `AsyncSteeredVLLM`): vLLM's --dtype, "auto" by default.
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from nnterp_vllm.engines.steered_settings import steered_engine_args
+
+    assert steered_engine_args(AsyncEngineArgs(model=str(fp32_path))).dtype == "float32"
+    assert steered_engine_args(AsyncEngineArgs(model=str(bf16_path), dtype="float16")).dtype == "float16"
 
 
 @pytest.mark.parametrize(
