@@ -27,8 +27,8 @@ class StandardizedTransformer(Standardized, TransformersModel):
         **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
             ``attn_implementation="eager"`` (so the attention pattern exists) and
             ``task="text-generation"`` (so nothing asks the hub for it). A checkpoint loads in its own dtype
-            (`dtypes`: its config's, else float32), as on vLLM, unless ``dtype=`` (or ``torch_dtype=``) names
-            another; a loaded model keeps its own. nnterp's options
+            (`dtypes`: its config's, else its weights', else float32), as on vLLM, unless ``dtype=`` (or
+            ``torch_dtype=``) names another; a loaded model keeps its own. nnterp's options
             (``enable_attention_probs``, ``check_renaming``, ``rename_config``, ``tokenizer_kwargs``, ...)
             are taken with their meaning or refused with the reason (`nnterp_options.take`).
             Tensor parallel (under ``torchrun``, one process per rank): ``tp_plan="auto"``, ``tp_size=N`` or
@@ -77,8 +77,11 @@ class StandardizedTransformer(Standardized, TransformersModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model's weights compute in (transformers' own answer)."""
-        return self._module.dtype
+        """The dtype the model's weights compute in (transformers' own answer: its first floating parameter's)."""
+        held = getattr(self._module, "dtype", None)
+        if isinstance(held, torch.dtype):
+            return held
+        return next(parameter.dtype for parameter in self._module.parameters() if parameter.is_floating_point())
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         """A trace: one forward pass over the inputs, its body interleaved with it.

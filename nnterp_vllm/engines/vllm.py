@@ -119,8 +119,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
             The model loads in the checkpoint's own dtype, as on transformers (`dtypes`: its config's, else
-            float32; never vLLM's ``"auto"`` step down from float32 to bfloat16), unless ``dtype=`` (or
-            ``torch_dtype=``) names another.
+            its weights', else float32; never vLLM's ``"auto"`` step down from float32 to bfloat16), unless
+            ``dtype=`` (or ``torch_dtype=``) names another.
             On vLLM's CPU build the KV cache defaults to 64 MiB. ``tensor_parallel_size=N`` splits the model
             over N ranks (refused where its heads do not split N ways); ``distributed_executor_backend="ray"``
             runs them on Ray (``ray_address=`` or ``RAY_ADDRESS``, else a private cluster). Prefix caching is
