@@ -17,11 +17,14 @@ def _support(args: argparse.Namespace) -> int:
 
 
 def _harvest(args: argparse.Namespace) -> int:
+    from . import dtypes
     from .checkpoints import named
-    from .harvest.run import harvest, torch_dtype
+    from .harvest.run import harvest
 
     model = named(args.model)
-    model_kwargs = {"dtype": torch_dtype(args.model_dtype, "--model-dtype")} if args.model_dtype else {}
+    engine = "vllm" if args.engine == "vllm" else "transformers"
+    model_kwargs = {"dtype": args.model_dtype} if args.model_dtype else {}
+    dtypes.requested(args.model_dtype, engine, "--model-dtype")
     if args.tensor_parallel_size is not None:
         if args.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
@@ -121,7 +124,10 @@ def parser() -> argparse.ArgumentParser:
     harvest.add_argument("--batch-size", type=int, default=8, help="rows per forward on transformers")
     harvest.add_argument("--shard-mb", type=float, default=256.0, help="approximate size of a shard")
     harvest.add_argument("--dtype", help="dtype the activations are stored in (default: the model's)")
-    harvest.add_argument("--model-dtype", help="dtype to load the model in")
+    harvest.add_argument(
+        "--model-dtype",
+        help="dtype to load the model in (default: the checkpoint's own, the same on both engines)",
+    )
     harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")
     harvest.add_argument("--quiet", action="store_true", help="no progress bar")
     harvest.set_defaults(run=_harvest)

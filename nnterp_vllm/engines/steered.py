@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+import torch
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
@@ -45,6 +46,11 @@ class SteeringClient:
     def hidden_size(self) -> int:
         """The width of a steering vector."""
         return self.vllm_config.model_config.get_hidden_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model runs in: the checkpoint's own unless built with ``dtype=`` (`dtypes`)."""
+        return self.vllm_config.model_config.dtype
 
     @property
     def capture_values(self) -> list[str]:
@@ -152,7 +158,9 @@ class SteeredVLLM(SteeringClient, LLM):
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
         **kwargs: Every ``vllm.LLM`` argument, as vLLM takes it: compilation stays vLLM's default and
-            prefix caching stays on. On vLLM's CPU build the KV cache defaults to 64 MiB, and
+            prefix caching stays on. The model runs in the checkpoint's own dtype, as on transformers (`dtypes`),
+            unless ``dtype=`` (or ``torch_dtype=``) names another; vLLM's ``"auto"`` would run a float32
+            checkpoint in bfloat16. On vLLM's CPU build the KV cache defaults to 64 MiB, and
             ``distributed_executor_backend="ray"`` takes ``ray_address=`` (else ``RAY_ADDRESS``, else a private
             cluster).
     """

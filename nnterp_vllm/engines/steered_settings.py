@@ -106,6 +106,7 @@ def steered_engine_args(
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
     ``capture_values``."""
     names = (
+        "dtype",
         "worker_cls",
         "scheduler_cls",
         "speculative_config",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from nnsight import TransformersModel
 
-from .. import arguments, families, nnterp_options
+from .. import arguments, dtypes, families, nnterp_options
 from ..families import default
 from ..standardized import Standardized, max_positions
 from . import saving
@@ -26,7 +26,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
             ``attn_implementation="eager"`` (so the attention pattern exists) and
-            ``task="text-generation"`` (so nothing asks the hub for it). nnterp's options
+            ``task="text-generation"`` (so nothing asks the hub for it). A checkpoint loads in its own dtype
+            (`dtypes`: its config's, else its weights', else float32), as on vLLM, unless ``dtype=`` (or
+            ``torch_dtype=``) names another; a loaded model keeps its own. nnterp's options
             (``enable_attention_probs``, ``check_renaming``, ``rename_config``, ``tokenizer_kwargs``, ...)
             are taken with their meaning or refused with the reason (`nnterp_options.take`).
             Tensor parallel (under ``torchrun``, one process per rank): ``tp_plan="auto"``, ``tp_size=N`` or
@@ -63,12 +65,23 @@ class StandardizedTransformer(Standardized, TransformersModel):
         maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
+            _loading_dtype(checkpoint, kwargs)
             checkpoint = str(checkpoint)
+        else:
+            _loaded_dtype(checkpoint, kwargs)
         kwargs.setdefault("task", "text-generation")
         super().__init__(checkpoint, **maps, **kwargs)
         if self.family is default:
             default.check(self)
         nnterp.apply(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model's weights compute in (transformers' own answer: its first floating parameter's)."""
+        held = getattr(self._module, "dtype", None)
+        if isinstance(held, torch.dtype):
+            return held
+        return next(parameter.dtype for parameter in self._module.parameters() if parameter.is_floating_point())
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         """A trace: one forward pass over the inputs, its body interleaved with it.
@@ -102,3 +115,28 @@ class StandardizedTransformer(Standardized, TransformersModel):
         finally:
             saving.hand_back(mediators)
             warn_mediators_wrote_parameters(self, mediators)
+
+
+def _loading_dtype(checkpoint: Any, kwargs: dict[str, Any]) -> None:
+    """Set ``kwargs["dtype"]`` to the dtype ``checkpoint`` loads in (`dtypes.load_dtype`), the rule vLLM's engines
+    follow too; a quantization name (nnsight's ``dtype="nf4"``, ...) or a per-module dict passes as it is."""
+    from nnsight.modeling.quantization import quantization
+
+    spelling, value = dtypes.given(kwargs)
+    if isinstance(value, dict) or (isinstance(value, str) and quantization(value) is not None):
+        kwargs[spelling] = value
+        return
+    kwargs[spelling] = value
+    kwargs["dtype"] = dtypes.load_dtype(checkpoint, kwargs, families.TRANSFORMERS)
+
+
+def _loaded_dtype(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse a ``dtype=`` other than the one an already loaded ``module`` holds (it would not be converted)."""
+    spelling, value = dtypes.given(kwargs)
+    wanted = dtypes.requested(value, families.TRANSFORMERS, spelling)
+    held = getattr(module, "dtype", None)
+    if wanted is not None and held is not None and wanted != held:
+        raise ValueError(
+            f"{spelling}={value!r}: this model is already loaded, in {dtypes.name(held)}, and is not converted; "
+            f"convert it first (module.to(torch.{dtypes.name(wanted)})) or pass its checkpoint with {spelling}="
+        )

@@ -118,6 +118,9 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         rename: Extra ``{native_path: standard_name}`` aliases; they win over the family's.
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
+            The model loads in the checkpoint's own dtype, as on transformers (`dtypes`: its config's, else
+            its weights', else float32; never vLLM's ``"auto"`` step down from float32 to bfloat16), unless
+            ``dtype=`` (or ``torch_dtype=``) names another.
             On vLLM's CPU build the KV cache defaults to 64 MiB. ``tensor_parallel_size=N`` splits the model
             over N ranks (refused where its heads do not split N ways); ``distributed_executor_backend="ray"``
             runs them on Ray (``ray_address=`` or ``RAY_ADDRESS``, else a private cluster). Prefix caching is
@@ -174,6 +177,17 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         #: How many blocks each forward runs: all, unless built with ``additional_config={FIRST_BLOCKS: n}``
         #: (`run_first_blocks`: values past them, the final norm and the logits included, are then the cut model's).
         self.blocks_run = blocks_to_run(kwargs.get("additional_config"), self.num_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model runs in: the engine's (its weightless tree's before it is dispatched)."""
+        engine = self.vllm_entrypoint
+        config = getattr(engine, "vllm_config", None) or getattr(
+            getattr(engine, "llm_engine", None), "vllm_config", None
+        )
+        if config is not None:
+            return config.model_config.dtype
+        return next(parameter.dtype for parameter in self._module.parameters() if parameter.is_floating_point())
 
     @staticmethod
     def _sampling_kwargs(kwargs: dict) -> dict:

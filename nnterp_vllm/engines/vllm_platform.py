@@ -47,6 +47,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from nnsight.modeling.vllm import VLLM
 
+from ..dtypes import VLLM as VLLM_ENGINE
+from ..dtypes import given, load_dtype, requested
+from ..dtypes import name as dtype_name
+
 if TYPE_CHECKING:
     from torch.nn import Module
 
@@ -220,6 +224,10 @@ def transformers_classes_kept() -> Iterator[None]:
 def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[str, Any]:
     """The keyword arguments to build an nnsight vLLM model with, on this platform.
 
+    On every platform, ``dtype`` is the one the library loads ``checkpoint`` in (`dtypes.load_dtype`: the
+    caller's ``dtype=`` or ``torch_dtype=``, else the checkpoint's own, as on transformers), never vLLM's
+    ``"auto"``, which would run a float32 checkpoint in bfloat16.
+
     On vLLM's CPU platform, unless the caller sized the KV cache (``kv_cache_memory_bytes``, or
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment), this sizes it: for ``checkpoint``'s context
     (`cpu_kv_cache`), or ``CPU_KV_CACHE_BYTES`` without one; and it picks the executor that places
@@ -232,6 +240,13 @@ def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[
     defaults itself; with nnsight's plain ``VLLM`` these kwargs alone do not make the CPU build work.
     """
     kwargs = dict(user_kwargs)
+    if checkpoint is not None:
+        kwargs["dtype"] = load_dtype(checkpoint, kwargs, VLLM_ENGINE)
+    else:
+        spelling, value = given(kwargs)
+        dtype = requested(value, VLLM_ENGINE, spelling)
+        if value is not None:
+            kwargs["dtype"] = value if dtype is None else dtype_name(dtype)
     if not is_cpu_platform():
         if "ray_address" in kwargs:
             raise ValueError(
@@ -254,7 +269,7 @@ def engine_kwargs(checkpoint: str | None = None, /, **user_kwargs: Any) -> dict[
 
 
 #: Keyword arguments `engine_kwargs` takes for itself: vLLM has no such engine argument.
-TAKEN = ("ray_address",)
+TAKEN = ("ray_address", "torch_dtype")
 
 
 def cpu_executor(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -97,8 +97,7 @@ def vllm_path(model: Any) -> str | None:
 
 def model_dtype(model: Any) -> str:
     """The dtype ``model`` computes in, by name (``"float32"``)."""
-    dtype = model.dtype if isinstance(model, EngineHarvester) else next(model._module.parameters()).dtype
-    return str(dtype).removeprefix("torch.")
+    return str(model.dtype).removeprefix("torch.")
 
 
 def blocks_run(selectors: list[Selector], model: Any) -> int:

@@ -291,7 +291,8 @@ def harvest(
         overwrite: Replace a directory made with other settings instead of refusing.
         workers: Ray actors, each with its own model replica and a disjoint share of the shards.
         ray_address: An existing Ray cluster to run the workers on (a local one otherwise).
-        model_kwargs: For building the model from a checkpoint (``dtype``, ``device_map``, ...). On vLLM
+        model_kwargs: For building the model from a checkpoint (``dtype``: the checkpoint's own on both
+            engines unless given; ``device_map``, ...); the manifest's ``model_dtype`` says what ran. On vLLM
             ``tensor_parallel_size=T`` splits each replica over T ranks; on transformers ``tp_size=T`` (or
             ``tp_plan="auto"``) splits the model over the T processes ``torchrun`` started, each running this
             call: every rank runs every forward, rank 0 alone writes, and every rank returns the harvest.
@@ -347,6 +348,7 @@ def harvest(
                 "vllm_path": "engine" if CAPTURE_VALUES in model_kwargs else vllm_path(model),
                 "engine_process": model.engine_process if isinstance(model, EngineHarvester) else None,
                 "dtype": dtype,
+                "model_dtype": model_dtype(model),
                 "format": format,
                 "values": entries,
                 "positions": positions

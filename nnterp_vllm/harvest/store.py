@@ -50,6 +50,8 @@ SETTINGS = (
     "context",
     "shard_bytes",
 )
+#: Manifest keys that must match where the directory recorded them (one written before they were resumes).
+RECORDED_SETTINGS = ("model_dtype",)
 RECORD_KEYS = ("index", "file", "bytes", "tokens")
 OVERWRITE = "overwrite=True (--overwrite)"
 
@@ -213,7 +215,9 @@ class Store:
                     f"which recorded no corpus digests to resume by; use another --out directory, or {OVERWRITE} "
                     "to harvest again"
                 )
-            different = [key for key in SETTINGS if existing.get(key) != settings.get(key)]
+            different = [key for key in SETTINGS if existing.get(key) != settings.get(key)] + [
+                key for key in RECORDED_SETTINGS if key in existing and existing[key] != settings.get(key)
+            ]
             if different:
                 lines = [
                     f"  {key}: directory has {existing.get(key)!r}, this run has {settings.get(key)!r}"
@@ -231,7 +235,7 @@ class Store:
             leftover.unlink()
         self.manifest = existing or {**settings, "shards": {}, "complete": False}
         self.manifest["version"] = VERSION  # what the records added from now on need to be read
-        self.settings = {key: self.manifest[key] for key in settings}
+        self.settings = {key: self.manifest.get(key, settings[key]) for key in settings}
         self.recorded = {int(index): record for index, record in self.manifest["shards"].items()}
         self.recorded_complete = bool(self.manifest.get("complete"))
         for index, record in sorted(self.recorded.items()):
