@@ -471,6 +471,17 @@ class Pattern(Value):
     def __set__(self, host: Envoy, value: Any) -> None:
         raise UnavailableValue(f"{self.name} cannot be written on {host.path}: {PATTERN_WRITE}")
 
+    def explain(self, host: Envoy) -> str:
+        """How the value is rebuilt on ``host``: where it is read and the kernel's rule."""
+        kernel = getattr(host._module, host.KERNEL)
+        cap = getattr(kernel.impl, "logits_soft_cap", None) or None
+        what = "softmax of the scores" if self.probabilities else "the scores"
+        return (
+            f"rebuilt when read, as {what}, from the queries and keys vLLM's kernel receives "
+            f"({host.path}.{host.KERNEL}.inputs): q k^T * {float(kernel.impl.scale):g}, soft-cap {cap}, "
+            f"causal mask, sliding window {_window(kernel)}, grouped-query heads expanded; the prompt's forward only"
+        )
+
 
 class Attention(Standard):
     """A vLLM attention module: projections around one fused attention kernel (``attn``)."""
