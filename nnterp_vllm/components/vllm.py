@@ -191,10 +191,6 @@ def _routed_in_kernel(mlp: Envoy) -> str | None:
     return None if experts is None or isinstance(experts, TransformersMoERunner) else FUSED_MOE
 
 
-def _either(first: Any, then: Any) -> Any:
-    return lambda host: (first(host) if callable(first) else first) or then(host)
-
-
 def copied(value: Value) -> Value:
     """``value`` (a transformers family's) as served on the Transformers backend: the same location, read as a copy.
 
@@ -210,8 +206,37 @@ def copied(value: Value) -> Value:
     property.__init__(served)
     served.__dict__.update(value.__dict__)
     if value.name in ("expert_indices", "expert_weights"):
-        served.unavailable = _either(value.unavailable, _routed_in_kernel)
+        rebuilt = ExpertChoice(value.name == "expert_weights", ExpertChoice.DESCRIPTIONS[value.name])
+        rebuilt.name = value.name
+        return RoutedEither(served, rebuilt)
     return served
+
+
+class RoutedEither(Value):
+    """An expert-choice value on the Transformers backend: transformers' own (``external``) where the backend leaves
+    the routing to transformers' module, which hands the choice to the experts; the choice rebuilt by the fused
+    kernel's router (``internal``, an `ExpertChoice`) where the backend moved the routing into that kernel."""
+
+    def __init__(self, external: Value, internal: Value) -> None:
+        super().__init__(external.key, select=external.select, description=external.description)
+        self.name = external.name
+        self.external, self.internal = external, internal
+
+    def chosen(self, host: Envoy) -> Value:
+        """The value in force on ``host``."""
+        return self.internal if _routed_in_kernel(host) else self.external
+
+    def reason(self, host: Envoy) -> str | None:
+        return self.chosen(host).reason(host)
+
+    def located(self, host: Envoy) -> Any:
+        return self.chosen(host).located(host)
+
+    def read(self, host: Envoy) -> Any:
+        return self.chosen(host).read(host)
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        self.chosen(host).__set__(host, value)
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -622,6 +647,11 @@ class ExpertChoice(Value):
     renormalization), times the routed scaling factor the runner applies to the output: ``[1, seq, k]``, the
     experts in descending weight order. Read-only (`CHOICE_WRITE`); nothing is computed unless it is read."""
 
+    DESCRIPTIONS = {
+        "expert_indices": "The experts each token is routed to, rebuilt by vLLM's router [1, seq, k] (read-only)",
+        "expert_weights": "The chosen experts' mixing weights, rebuilt by vLLM's router [1, seq, k] (read-only)",
+    }
+
     def __init__(self, weights: bool, description: str) -> None:
         super().__init__(
             "{self.ROUTER}.output", select=WHOLE, description=description, unavailable=_choice_reason, writable=False
@@ -661,12 +691,8 @@ class SparseMlp(Mlp):
         description=BaseMlp.router_logits.description,
         unavailable=BaseMlp.router_logits.unavailable,
     )
-    expert_indices = ExpertChoice(
-        False, "The experts each token is routed to, rebuilt from router_logits by vLLM's router [1, seq, k]"
-    )
-    expert_weights = ExpertChoice(
-        True, "The chosen experts' mixing weights, rebuilt by vLLM's router [1, seq, k] (read-only)"
-    )
+    expert_indices = ExpertChoice(False, ExpertChoice.DESCRIPTIONS["expert_indices"])
+    expert_weights = ExpertChoice(True, ExpertChoice.DESCRIPTIONS["expert_weights"])
 
 
 __all__ = [
@@ -688,6 +714,7 @@ __all__ = [
     "Mixer",
     "Mlp",
     "Pattern",
+    "RoutedEither",
     "SparseMlp",
     "Summed",
     "TransformersAttention",

@@ -11,6 +11,7 @@ computed from the final norm with the model's own head (vLLM itself computes the
 from __future__ import annotations
 
 import dis
+import weakref
 from types import CodeType, ModuleType
 from typing import Any
 
@@ -23,7 +24,17 @@ from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 from .. import arguments, families, nnterp_options
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
-from ..components.vllm import CHOICE_WRITE, PATTERN_WRITE, ExpertChoice, Flat, Hidden, Pattern, flat, gathered
+from ..components.vllm import (
+    CHOICE_WRITE,
+    PATTERN_WRITE,
+    ExpertChoice,
+    Flat,
+    Hidden,
+    Pattern,
+    RoutedEither,
+    flat,
+    gathered,
+)
 from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
 from . import saving
@@ -48,9 +59,17 @@ class VLLMTracer(OneAtATime, NNsightVLLMTracer):
         super().execute(code)
 
 
+#: `rebuilt_values` per model (its envoys' classes do not change once it is built).
+_REBUILT: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
 def rebuilt_values(model: Any) -> dict[str, str]:
     """``{value name: why it cannot be written}`` for the values every envoy of ``model`` that has them only
     rebuilds (the attention pattern, the expert choice: read-only on vLLM)."""
+    try:
+        return _REBUILT[model]
+    except (KeyError, TypeError):
+        pass
     found: dict[str, str] = {}
     writable: set[str] = set()
     for block in model.layers:
@@ -58,13 +77,20 @@ def rebuilt_values(model: Any) -> dict[str, str]:
             if not isinstance(envoy, Envoy):
                 continue
             for name, value in type(envoy).values().items():
+                if isinstance(value, RoutedEither):
+                    value = value.chosen(envoy)
                 if isinstance(value, Pattern):
                     found[name] = PATTERN_WRITE
                 elif isinstance(value, ExpertChoice):
                     found[name] = CHOICE_WRITE
                 else:
                     writable.add(name)
-    return {name: why for name, why in found.items() if name not in writable}
+    refused = {name: why for name, why in found.items() if name not in writable}
+    try:
+        _REBUILT[model] = refused
+    except TypeError:
+        pass
+    return refused
 
 
 def _stored_attributes(code: CodeType) -> set[str]:
