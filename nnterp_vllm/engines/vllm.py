@@ -79,6 +79,8 @@ def rebuilt_values(model: Any) -> dict[str, str]:
             for name, value in type(envoy).values().items():
                 if isinstance(value, RoutedEither):
                     value = value.chosen(envoy)
+                if _unavailable(value, envoy):
+                    continue  # not served here (a dense block's expert choice): no write to weigh
                 if isinstance(value, Pattern):
                     found[name] = PATTERN_WRITE
                 elif isinstance(value, ExpertChoice):
@@ -91,6 +93,13 @@ def rebuilt_values(model: Any) -> dict[str, str]:
     except TypeError:
         pass
     return refused
+
+
+def _unavailable(value: Value, envoy: Envoy) -> bool:
+    try:
+        return bool(value.reason(envoy))
+    except Exception:  # noqa: BLE001 - a check that cannot run here is settled in the engine
+        return False
 
 
 def _stored_attributes(code: CodeType) -> set[str]:
