@@ -335,7 +335,8 @@ def test_the_engine_survives_each_kind_of_bad_input(llama):
         lambda: on_vllm.steer(99, torch.zeros(on_vllm.hidden_size)),
         lambda: on_vllm.layers[1].no_such_value.save(),
         lambda: setattr(on_vllm.layers[1], "layer_output", torch.zeros(2, 2)),
-        lambda: on_vllm.layers[1].self_attn.attention_probabilities.save(),
+        # a write of the rebuilt pattern the bytecode check cannot see, refused inside the engine
+        lambda: setattr(on_vllm.layers[1].self_attn, "attention_probabilities", torch.zeros(1, 4, 30, 30)),
         lambda: on_vllm.layers[99],
     ]
     for attempt in bad:
@@ -343,7 +344,8 @@ def test_the_engine_survives_each_kind_of_bad_input(llama):
             with on_vllm.trace(reference.PROMPT):
                 attempt()
         message = str(caught.value)
-        assert any(word in message for word in ("shape", "num_layers", "no_such_value", "one prompt", "fused")), message
+        words = ("shape", "num_layers", "no_such_value", "one prompt", "cannot be written")
+        assert any(word in message for word in words), message
         with on_vllm.trace(reference.PROMPT):
             logits = on_vllm.logits.save()
         assert torch.isfinite(logits).all()
