@@ -98,9 +98,10 @@ def take(kwargs: dict[str, Any], engine: str) -> Options:
     """Remove nnterp's options from ``kwargs`` (in place), apply their meaning for ``engine``, refuse the rest.
 
     - ``enable_attention_probs=True``: the attention pattern is wanted. On transformers that is eager
-      attention (the default here; another ``attn_implementation`` is refused); on vLLM, which never
-      materializes the pattern, it is refused. ``False``: transformers' default attention is used (the
-      pattern and the attention interior then report unavailable) unless ``attn_implementation`` says.
+      attention (the default here; another ``attn_implementation`` is refused); on vLLM it changes nothing
+      (the pattern is rebuilt from the kernel's queries and keys when read). ``False``: transformers' default
+      attention is used (the pattern and the attention interior then report unavailable) unless
+      ``attn_implementation`` says; on vLLM it changes nothing.
     - ``remote=True`` (NDIF) is refused; ``rename_config`` and the ``<module>_rename`` options become
       ``rename`` entries; ``tokenizer_kwargs`` are set on the tokenizer after the build; the options in
       `WITHOUT_EFFECT` are accepted. ``trust_remote_code`` and ``rename`` are this library's own too.
@@ -134,11 +135,7 @@ def _enable_attention_probs(kwargs: dict[str, Any], engine: str) -> None:
     wanted = kwargs.pop("enable_attention_probs")
     implementation = kwargs.get("attn_implementation")
     if engine == families.VLLM:
-        if wanted:
-            from .components.vllm import FUSED
-
-            raise ValueError(f"enable_attention_probs=True cannot be served on vLLM: {FUSED}")
-        return
+        return  # vLLM's kernel is the same either way; the pattern is rebuilt when read (free when not)
     if wanted and implementation not in (None, "eager"):
         raise ValueError(
             f"enable_attention_probs=True needs attn_implementation='eager' (the pattern is read inside eager "

@@ -95,6 +95,10 @@ class Indexed:
         if reason:
             print(f"{host.path}.{self.name} is not served: {reason}")
             return
+        explain = getattr(value, "explain", None)
+        if explain is not None:  # a value the engine never materializes, rebuilt from others
+            print(f"{host.path}.{self.name}: {explain(host)}")
+            return
         *walk, attribute = value.path(host).split(".")
         print(f"Accessing {self.name} from {host.path}{''.join(f'.{part}' for part in walk)} ({attribute}):")
         # The forward the value is read in: the last `source` on the way there, else the module's own.

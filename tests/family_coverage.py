@@ -12,6 +12,7 @@ StandardizedTransformer on the same weights: the vLLM table. The result is COVER
 
     python tests/family_coverage.py                      # every type; rewrites COVERAGE.md
     python tests/family_coverage.py --types llama,gpt2   # a few types; prints the tables
+    python tests/family_coverage.py --vllm-only          # only the vLLM parts of COVERAGE.md, remade
     python tests/family_coverage.py --vllm-survey        # which types vLLM's CPU build runs, family or not
 """
 
@@ -55,8 +56,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "skip": ("test_skip_layers_hands_input_on",),
     "steer": ("test_steer_equals_adding_by_hand",),
 }
-#: The same columns on vLLM and the tests of tests/test_vllm.py that verify them. The attention pattern and scores
-#: stay inside vLLM's fused kernel: no test, always unavailable there with the reason.
+#: The same columns on vLLM and the tests of tests/test_vllm.py that verify them. The attention pattern and the
+#: expert choice, which vLLM's fused kernels never materialize, are rebuilt there and checked against transformers.
 VLLM_COLUMNS: dict[str, tuple[str, ...]] = {
     "layer_output": ("test_block_values_equal_transformers", "test_support_claims_only_verified_values"),
     "attention_output": ("test_block_values_equal_transformers", "test_residual_identity_on_vllm"),
@@ -64,7 +65,7 @@ VLLM_COLUMNS: dict[str, tuple[str, ...]] = {
     "mixer_output": ("test_block_values_equal_transformers", "test_residual_identity_on_vllm"),
     "mlp.router_logits": ("test_routing_equals_transformers",),
     "mlp.expert_indices": ("test_routing_equals_transformers",),
-    "self_attn.attention_probabilities": (),
+    "self_attn.attention_probabilities": ("test_pattern_equals_transformers",),
     "self_attn.attention_queries": ("test_attention_interior_equals_transformers",),
     "self_attn.attention_head_outputs": ("test_attention_interior_equals_transformers",),
     "write": ("test_interventions_match_transformers",),
@@ -301,11 +302,11 @@ def vllm_coverage(model_types: list[str]) -> tuple[dict[str, dict[str, Any]], di
 def vllm_table(
     rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]
 ) -> tuple[list[str], dict[str, int]]:
-    """The vLLM table: a value vLLM never materializes whatever the family (the attention pattern, a fused MoE's
-    expert choice) shows its reason but is no gap of the family's."""
-    from nnterp_vllm.components.vllm import FUSED, FUSED_MOE
+    """The vLLM table: a fused MoE's expert choice that no router of vLLM's can rebuild shows its reason but is no
+    gap of the family's."""
+    from nnterp_vllm.components.vllm import FUSED_MOE
 
-    return table(rows, outcomes, VLLM_COLUMNS, "v", (FUSED, FUSED_MOE))
+    return table(rows, outcomes, VLLM_COLUMNS, "v", (FUSED_MOE,))
 
 
 def default_serves_layer_output(rows: dict[str, dict[str, Any]], outcomes: dict[str, dict[str, str]]) -> list[str]:
@@ -341,6 +342,45 @@ def refusal_groups(rows: dict[str, dict[str, Any]]) -> str:
     return "; ".join(f"{kind} {count}" for kind, count in sorted(groups.items(), key=lambda item: -item[1]))
 
 
+def vllm_summary_line(vllm_counts: dict[str, int]) -> str:
+    """The summary's line about vLLM."""
+    from nnterp_vllm import families
+
+    return (
+        f"- on vLLM (the vLLM column, detailed in the vLLM table below): {len(families.known(families.VLLM))} vLLM "
+        f"family modules; {vllm_counts['every value verified']} types with every value verified, "
+        f"{vllm_counts['partially served']} partially, {vllm_counts['refused or not built']} refused"
+    )
+
+
+def vllm_section(vllm_rows: dict[str, dict[str, Any]], vllm_lines: list[str], vllm_counts: dict[str, int]) -> list[str]:
+    """The document's vLLM section: its heading, summary and table."""
+    from nnterp_vllm import families
+
+    return [
+        "",
+        "## On vLLM",
+        "",
+        "Each type's tiny checkpoint loaded on vLLM's CPU build with its vLLM family "
+        "(`nnterp_vllm/families/vllm/`), and every value it claims checked against StandardizedTransformer on the "
+        "same weights by tests/test_vllm.py (✓). The attention pattern and scores, which vLLM's fused attention "
+        "kernel never materializes, are rebuilt from the queries and keys it receives with its own rule, and a "
+        "fused mixture of experts' choice of experts from the router's logits by its own router: both verified "
+        "like any other value (over the prompt; a family whose rule is not rebuilt says why).",
+        "",
+        f"- vLLM family modules: {len(families.known(families.VLLM))}; types served: "
+        f"{vllm_counts['every value verified'] + vllm_counts['partially served']}",
+        f"- every value verified: {vllm_counts['every value verified']}",
+        f"- partially: {vllm_counts['partially served']}; the values missing, by number of types: "
+        + (
+            ", ".join(f"{name[4:]} {count}" for name, count in vllm_counts.items() if name.startswith("gap ")) or "none"
+        ),
+        f"- refused (reason given): {vllm_counts['refused or not built']}; by kind: {refusal_groups(vllm_rows)}",
+        "",
+        *vllm_lines,
+    ]
+
+
 def document(model_types: list[str]) -> str:
     from nnterp_vllm import families
 
@@ -368,9 +408,7 @@ def document(model_types: list[str]) -> str:
         f"- the default family alone, on the {len(without_module)} types without a module: verified layer_output "
         f"on {len(served)} ({', '.join(served) or 'none'})",
         f"- the default family alone, on every type walked: verified layer_output on {len(alone)}",
-        f"- on vLLM (the vLLM column, detailed in the vLLM table below): {len(families.known(families.VLLM))} vLLM "
-        f"family modules; {vllm_counts['every value verified']} types with every value verified, "
-        f"{vllm_counts['partially served']} partially, {vllm_counts['refused or not built']} refused",
+        vllm_summary_line(vllm_counts),
         "",
         "✓ verified against transformers by tests/test_families.py; ✗ claimed but failing; "
         "— unavailable (numbered reason below); n/a: the architecture has no such value (a dense MLP has no "
@@ -378,27 +416,27 @@ def document(model_types: list[str]) -> str:
         "by architecture (a hybrid's attention blocks, a dense first block) is ✓ when verified where it exists.",
         "",
     ]
-    vllm_summary = [
-        "",
-        "## On vLLM",
-        "",
-        "Each type's tiny checkpoint loaded on vLLM's CPU build with its vLLM family "
-        "(`nnterp_vllm/families/vllm/`), and every value it claims checked against StandardizedTransformer on the "
-        "same weights by tests/test_vllm.py (✓). The attention pattern and scores, and a fused mixture of experts' "
-        "choice of experts, stay inside vLLM's kernels on every family: shown with their reason, not counted as a "
-        "family's gap.",
-        "",
-        f"- vLLM family modules: {len(families.known(families.VLLM))}; types served: "
-        f"{vllm_counts['every value verified'] + vllm_counts['partially served']}",
-        f"- every value verified (but what vLLM's kernels keep): {vllm_counts['every value verified']}",
-        f"- partially: {vllm_counts['partially served']}; the values missing, by number of types: "
-        + (
-            ", ".join(f"{name[4:]} {count}" for name, count in vllm_counts.items() if name.startswith("gap ")) or "none"
-        ),
-        f"- refused (reason given): {vllm_counts['refused or not built']}; by kind: {refusal_groups(vllm_rows)}",
-        "",
-    ]
-    return "\n".join(summary + with_vllm_column(lines, vllm_rows) + vllm_summary + vllm_lines) + "\n"
+    section = vllm_section(vllm_rows, vllm_lines, vllm_counts)
+    return "\n".join(summary + with_vllm_column(lines, vllm_rows) + section) + "\n"
+
+
+VLLM_HEADING = "\n## On vLLM\n"
+
+
+def refreshed_vllm_part(text: str, model_types: list[str]) -> str:
+    """``text`` (COVERAGE.md) with its vLLM parts made anew (the summary's vLLM line, the main table's vLLM column,
+    the vLLM section), its transformers tables kept: what `document` writes when only vLLM's side changed."""
+    vllm_rows, vllm_outcomes = vllm_coverage(model_types)
+    vllm_lines, vllm_counts = vllm_table(vllm_rows, vllm_outcomes)
+    main = text.partition(VLLM_HEADING)[0]
+    lines = []
+    for line in main.splitlines():
+        if line.startswith("- on vLLM (the vLLM column"):
+            line = vllm_summary_line(vllm_counts)
+        elif line.startswith("| ") or line.startswith("|---"):
+            line = line[: line.rstrip().rstrip("|").rstrip().rfind("|") + 1]  # the vLLM column, cut
+        lines.append(line)
+    return "\n".join(with_vllm_column(lines, vllm_rows) + vllm_section(vllm_rows, vllm_lines, vllm_counts)) + "\n"
 
 
 def survey(model_types: list[str]) -> dict[str, dict[str, Any]]:
@@ -455,6 +493,11 @@ def main() -> None:
     parser.add_argument(
         "--vllm-survey", action="store_true", help="print which types vLLM's CPU build runs without a family"
     )
+    parser.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="remake only COVERAGE.md's vLLM parts (the transformers tables are kept as they are)",
+    )
     parser.add_argument("--survey-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.survey_worker:
@@ -469,6 +512,10 @@ def main() -> None:
         rows, outcomes = coverage(model_types, forced_default=False)
         vllm_rows, vllm_outcomes = vllm_coverage(model_types)
         print(json.dumps({"rows": rows, "outcomes": outcomes, "vllm": vllm_rows, "vllm_outcomes": vllm_outcomes}))
+        return
+    if args.vllm_only:
+        OUTPUT.write_text(refreshed_vllm_part(OUTPUT.read_text(), model_types))
+        print(f"wrote the vLLM parts of {OUTPUT}")
         return
     text = document(model_types)
     if args.types:

@@ -16,7 +16,6 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, UnavailableValue, nnterp_options
-from nnterp_vllm.components import vllm as on_vllm_components
 from nnterp_vllm.display import plot_topk_tokens, prompts_to_df
 from nnterp_vllm.interventions import (
     TargetPrompt,
@@ -234,7 +233,7 @@ def test_module_spellings_and_attention_probability_availability(engines):
     assert model._model is model._module
     with pytest.raises(TypeError, match="is a module, which is not written"):
         model.attentions[0] = None
-    assert model.attn_probs_available and not engines.vllm.attn_probs_available
+    assert model.attn_probs_available and engines.vllm.attn_probs_available
     assert len(model.attentions_input) == model.num_layers
 
 
@@ -247,9 +246,9 @@ def test_print_source_shows_where_the_pattern_is_read_or_why_it_is_not(engines, 
     engines.hf.layers_output.print_source(1)
     assert "Accessing layer_output from model.model.layers.1 (output)" in capsys.readouterr().out
     engines.vllm.attention_probabilities.print_source(2)
-    assert capsys.readouterr().out.strip() == (
-        f"model.model.layers.2.self_attn.attention_probabilities is not served: {on_vllm_components.FUSED}"
-    )
+    shown = capsys.readouterr().out.strip()
+    assert shown.startswith("model.model.layers.2.self_attn.attention_probabilities: rebuilt when read")
+    assert "model.model.layers.2.self_attn.attn.inputs" in shown and "the prompt's forward only" in shown
 
 
 # -- nnterp's constructor options ------------------------------------------------
@@ -283,7 +282,6 @@ def test_nnterp_constructor_options_are_taken_with_their_meaning(engines):
     "engine, kwargs, message",
     [
         ("transformers", {"enable_attention_probs": True, "attn_implementation": "sdpa"}, "needs attn_implementation"),
-        ("vllm", {"enable_attention_probs": True}, "cannot be served on vLLM: vLLM computes the attention pattern"),
         ("transformers", {"remote": True}, "NDIF"),
         (
             "vllm",

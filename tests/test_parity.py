@@ -3,15 +3,17 @@
 Every ``experiment_*`` function below is spelled the way README.md teaches for transformers. The
 tests run it on StandardizedTransformer and on StandardizedVLLM over the same checkpoint and compare
 the results with each other and with transformers' own outputs (``output_hidden_states``,
-``output_attentions``, ``generate``, forward hooks). Where vLLM cannot serve a value (the attention
-pattern, a mixture of experts' expert choice) the experiment gets the same `UnavailableValue` there,
-and the test says so.
+``output_attentions``, ``generate``, forward hooks). The attention pattern and a mixture of experts'
+choice, which vLLM's kernels never materialize, are rebuilt there when read: the experiments read them
+alike on both engines; what vLLM refuses (writing them, the pattern at a generated step) is refused with
+`UnavailableValue`, and the test says so.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import nnsight
 import pytest
 import reference
 import tiny
@@ -153,11 +155,49 @@ def experiment_read_pattern(model, prompt=PROMPT):
     return pattern
 
 
-def experiment_read_expert_choice(model, prompt=PROMPT):
+def experiment_read_pattern_and_expert_choice(model, prompt=PROMPT):
+    """Every block's scores and pattern, and, on a mixture of experts, its router logits and expert choice."""
+    routed = [i for i in range(model.num_layers) if model.support()["mlp.expert_indices"] is None]
     with model.trace(prompt):
-        router = model.layers[0].mlp.router_logits.save()
-        experts = model.layers[0].mlp.expert_indices.save()
-    return router, experts
+        rows = []
+        for i, block in enumerate(model.layers):
+            row = {
+                "scores": block.self_attn.attention_scores.save(),
+                "pattern": block.self_attn.attention_probabilities.save(),
+            }
+            if i in routed:
+                row["router"] = block.mlp.router_logits.save()
+                row["experts"] = block.mlp.expert_indices.save()
+                row["weights"] = block.mlp.expert_weights.save()
+            rows.append(row)
+    return rows
+
+
+def experiment_read_pattern_while_generating(model, prompt=PROMPT, steps=2):
+    """The first block's pattern at each generated step."""
+    with model.generate(prompt, max_new_tokens=steps, do_sample=False) as tracer:
+        patterns = nnsight.save([])
+        for _ in tracer.iter[:steps]:
+            patterns.append(model.layers[0].self_attn.attention_probabilities.save())
+    return patterns
+
+
+def experiment_write_pattern(model, prompt=PROMPT):
+    """The first block's pattern replaced by a uniform causal one."""
+    with model.trace(prompt):
+        pattern = model.layers[0].self_attn.attention_probabilities
+        seq = pattern.shape[-1]
+        uniform = torch.tril(torch.ones(seq, seq)) / torch.arange(1, seq + 1).unsqueeze(1)
+        model.layers[0].self_attn.attention_probabilities = uniform.expand_as(pattern).to(pattern.dtype)
+        logits = model.logits.save()
+    return logits
+
+
+def experiment_reroute(model, prompt=PROMPT):
+    with model.trace(prompt):
+        model.layers[0].mlp.expert_indices = (model.layers[0].mlp.expert_indices + 1) % model.num_experts
+        logits = model.logits.save()
+    return logits
 
 
 # -- engines --------------------------------------------------------------------
@@ -223,30 +263,66 @@ def test_every_block_value_equals_transformers(engines):
     close(vllm_logits, hf_logits, engines.tolerance)
 
 
-def test_attention_values_equal_and_the_pattern_is_refused_on_vllm_only(engines):
+def test_attention_values_equal_on_both_engines(engines):
     hf_heads, vllm_heads = on_both(engines, experiment_read_attention_values)
     for hf_block, vllm_block in zip(hf_heads, vllm_heads):
         for name in ATTENTION_VALUES:
             close(vllm_block[name], hf_block[name], engines.tolerance)
         summed = hf_block["attention_head_outputs"].sum(dim=2)
         assert summed.shape == hf_block["attention_output"].shape
-    pattern = experiment_read_pattern(engines.hf)
+
+
+def by_expert(indices, weights):
+    """A token's chosen experts and their weights, ordered by expert (the engines may list them in other orders)."""
+    order = indices.argsort(dim=-1)
+    return indices.gather(-1, order), weights.gather(-1, order)
+
+
+def test_the_pattern_and_the_expert_choice_equal_on_both_engines(engines):
+    """vLLM rebuilds both from what its kernels receive; transformers materializes them; its own
+    ``output_attentions`` is the ground truth of the pattern."""
+    hf_rows, vllm_rows = on_both(engines, experiment_read_pattern_and_expert_choice)
     with torch.no_grad():
         truth = reference.load(engines.path)(**encoded(engines), output_attentions=True)
-    close(pattern, truth.attentions[0], engines.tolerance)
-    with pytest.raises(UnavailableValue, match="fused attention kernel"):
-        experiment_read_pattern(engines.vllm)
-    assert "fused attention kernel" in engines.vllm.support()["self_attn.attention_probabilities"]
+    for layer, (hf_row, vllm_row) in enumerate(zip(hf_rows, vllm_rows)):
+        assert vllm_row.keys() == hf_row.keys()
+        close(hf_row["pattern"], truth.attentions[layer], engines.tolerance)
+        close(vllm_row["pattern"], hf_row["pattern"], engines.tolerance)
+        close(vllm_row["scores"], hf_row["scores"], engines.tolerance)
+        close(vllm_row["pattern"].sum(-1), torch.ones(vllm_row["pattern"].shape[:-1]), engines.tolerance)
+        if "experts" in hf_row:
+            close(vllm_row["router"], hf_row["router"], engines.tolerance)
+            hf_experts, hf_weights = by_expert(hf_row["experts"], hf_row["weights"])
+            vllm_experts, vllm_weights = by_expert(vllm_row["experts"], vllm_row["weights"])
+            assert torch.equal(vllm_experts, hf_experts)
+            close(vllm_weights, hf_weights, engines.tolerance)
+    if engines.name == "mixtral":
+        assert any("experts" in row for row in vllm_rows), "mixtral's expert choice was not read"
 
 
-def test_the_expert_choice_is_served_on_transformers_and_refused_on_vllm(engines):
-    if not served(engines.hf, "mlp.router_logits"):
-        pytest.skip(f"{engines.name} is dense: no router")
-    router, experts = experiment_read_expert_choice(engines.hf)
-    assert experts.shape[-1] == engines.hf.num_experts_per_token
-    assert torch.equal(experts.sort(-1).values, router.topk(experts.shape[-1], dim=-1).indices.sort(-1).values)
-    with pytest.raises(UnavailableValue, match="fused MoE kernel"):
-        experiment_read_expert_choice(engines.vllm)
+def test_the_pattern_is_read_at_a_generations_first_step_and_refused_at_the_next(engines):
+    if engines.name != "llama":
+        pytest.skip("the generated step is the engine's, not a family's: checked once, on llama")
+    first = experiment_read_pattern(engines.vllm)
+    with pytest.raises(UnavailableValue, match="at a generated step"):
+        experiment_read_pattern_while_generating(engines.vllm)
+    (step_zero,) = experiment_read_pattern_while_generating(engines.vllm, steps=1)
+    close(step_zero, first, engines.tolerance)
+    assert torch.isfinite(experiment_read_pattern(engines.vllm)).all()  # the engine serves on
+
+
+def test_writing_the_pattern_or_the_experts_is_refused_on_vllm_before_it_runs(engines):
+    """Transformers takes both writes; vLLM refuses them before any request reaches the engine (no traceback
+    from inside it), with the reason, and serves the next trace."""
+    experiments = [experiment_write_pattern]
+    if served(engines.hf, "mlp.expert_indices"):
+        experiments.append(experiment_reroute)
+    for experiment in experiments:
+        assert torch.isfinite(experiment(engines.hf)).all()
+        with pytest.raises(UnavailableValue, match="cannot be written on vLLM") as caught:
+            experiment(engines.vllm)
+        assert not getattr(caught.value, "__notes__", None), "refused inside the engine, not before it ran"
+    assert torch.isfinite(experiment_read_pattern(engines.vllm)).all()  # the engine serves on
 
 
 def test_containers_of_saved_values_come_back_filled(engines):

@@ -40,6 +40,8 @@ BLOCK_VALUES = (
     "self_attn.attention_queries",
     "self_attn.attention_keys",
     "self_attn.attention_values",
+    "self_attn.attention_scores",
+    "self_attn.attention_probabilities",
     "self_attn.attention_premix",
     "self_attn.attention_head_outputs",
     "attention_output",
@@ -60,7 +62,8 @@ STREAM = (
     "mlp_output",
     "layer_output",
 )
-INTERIOR = tuple(name for name in BLOCK_VALUES if name.startswith("self_attn.") and name not in STREAM)
+PATTERN = ("self_attn.attention_scores", "self_attn.attention_probabilities")
+INTERIOR = tuple(name for name in BLOCK_VALUES if name.startswith("self_attn.") and name not in STREAM + PATTERN)
 ROUTING = tuple(name for name in BLOCK_VALUES if name.startswith("mlp.") and name not in STREAM)
 ROOT_VALUES = ("token_embeddings", "final_norm_output", "logits", "next_token_probs")
 
@@ -178,6 +181,16 @@ def runs(request):
     on_vllm.shutdown()
 
 
+def by_expert(values, key):
+    """A routing value of ``values`` with each token's chosen experts ordered by expert: the engines may list a
+    token's choice in other orders (vLLM by weight, transformers as its top-k returns it)."""
+    layer, name = key
+    indices = values.get((layer, "mlp.expert_indices"))
+    if name not in ("mlp.expert_indices", "mlp.expert_weights") or indices is None:
+        return values[key]
+    return values[key].gather(-1, indices.argsort(dim=-1))
+
+
 def compare(runs, names):
     """The values ``names`` read on both engines, compared; how many were."""
     on_vllm, on_hf = runs.values
@@ -185,7 +198,8 @@ def compare(runs, names):
     for key, expected in on_hf.items():
         if key[1] in names:
             assert on_vllm[key].shape == expected.shape, key
-            close(on_vllm[key], expected, msg=lambda message, key=key: f"{key}: {message}", **TOLERANCE)
+            got, expected = by_expert(on_vllm, key), by_expert(on_hf, key)
+            close(got, expected, msg=lambda message, key=key: f"{key}: {message}", **TOLERANCE)
             compared += 1
     return compared
 
@@ -202,16 +216,32 @@ def test_attention_interior_equals_transformers(runs):
         )
 
 
+def test_pattern_equals_transformers(runs):
+    """The scores and the pattern, rebuilt on vLLM from its kernel's queries and keys, equal transformers' eager
+    attention's on every block both serve them (prompt rows); where vLLM does not, it says why."""
+    if not compare(runs, PATTERN):
+        reason = runs.vllm_table.get("self_attn.attention_probabilities", "no attention")
+        assert reason, "vLLM claims the pattern, but no block's was compared"
+        pytest.skip(f"no attention pattern served on vLLM: {reason}")
+    on_vllm, _ = runs.values
+    for (_, name), pattern in on_vllm.items():
+        if name == "self_attn.attention_probabilities":
+            close(pattern.sum(-1), torch.ones(pattern.shape[:-1]))
+
+
 def test_routing_equals_transformers(runs):
-    """On a mixture of experts: the router's logits (and the expert choice where vLLM hands it to a module)."""
+    """On a mixture of experts: the router's logits and the expert choice (vLLM's rebuilt from the logits by its
+    fused kernel's router), on every routed block."""
     routed = [i for i in range(runs.on_hf.num_layers) if claimed(runs.hf_table, "mlp.router_logits", i)]
     if not routed:
         pytest.skip("a dense family: no router")
     assert routed == [i for i in range(runs.on_vllm.num_layers) if claimed(runs.vllm_table, "mlp.router_logits", i)]
     assert compare(runs, ROUTING) >= len(routed)
-    if not claimed(runs.vllm_table, "mlp.expert_indices", routed[0]):
-        reason = runs.vllm_table["mlp.expert_indices"]
-        assert "fused MoE kernel" in (reason if isinstance(reason, str) else reason[routed[0]])
+    chosen = [i for i in routed if claimed(runs.hf_table, "mlp.expert_indices", i)]
+    assert chosen == [i for i in routed if claimed(runs.vllm_table, "mlp.expert_indices", i)], runs.vllm_table.get(
+        "mlp.expert_indices"
+    )
+    assert compare(runs, ("mlp.expert_indices", "mlp.expert_weights")) == 2 * len(chosen)
 
 
 def test_residual_identity_on_vllm(runs):
@@ -252,10 +282,6 @@ def test_support_claims_only_verified_values(runs):
         for layer in layers:
             if claimed(vllm_table, name, layer):
                 assert claimed(hf_table, name, layer), f"{name} (layer {layer}) is claimed on vLLM only"
-    pattern = vllm_table.get("self_attn.attention_probabilities")
-    if pattern is not None:
-        reasons = [pattern] if isinstance(pattern, str) else pattern.values()
-        assert any("fused attention kernel" in reason for reason in reasons), pattern
 
 
 def test_coverage_row_is_current(runs):
@@ -309,7 +335,8 @@ def test_the_engine_survives_each_kind_of_bad_input(llama):
         lambda: on_vllm.steer(99, torch.zeros(on_vllm.hidden_size)),
         lambda: on_vllm.layers[1].no_such_value.save(),
         lambda: setattr(on_vllm.layers[1], "layer_output", torch.zeros(2, 2)),
-        lambda: on_vllm.layers[1].self_attn.attention_probabilities.save(),
+        # a write of the rebuilt pattern the bytecode check cannot see, refused inside the engine
+        lambda: setattr(on_vllm.layers[1].self_attn, "attention_probabilities", torch.zeros(1, 4, 30, 30)),
         lambda: on_vllm.layers[99],
     ]
     for attempt in bad:
@@ -317,7 +344,8 @@ def test_the_engine_survives_each_kind_of_bad_input(llama):
             with on_vllm.trace(reference.PROMPT):
                 attempt()
         message = str(caught.value)
-        assert any(word in message for word in ("shape", "num_layers", "no_such_value", "one prompt", "fused")), message
+        words = ("shape", "num_layers", "no_such_value", "one prompt", "cannot be written")
+        assert any(word in message for word in words), message
         with on_vllm.trace(reference.PROMPT):
             logits = on_vllm.logits.save()
         assert torch.isfinite(logits).all()

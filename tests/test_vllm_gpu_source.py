@@ -77,6 +77,12 @@ INSTANCE_ATTRIBUTES = (
      "ModelConfig"),
     ("engines/steered.py", "vllm_config.model_config.get_hidden_size", "vllm.config.model", "ModelConfig"),
     ("engines/vllm_platform.py", "engine.engine_core.shutdown", "vllm.v1.engine.core_client", "EngineCoreClient"),
+    # the attention pattern and the expert choice, rebuilt with the kernel's own rule and router
+    ("components/vllm.py", "kernel.impl", "vllm.model_executor.layers.attention.attention", "Attention"),
+    ("components/vllm.py", "impl.scale", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("components/vllm.py", "runner.router", "vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
+    ("components/vllm.py", "runner.router._compute_routing", "vllm.model_executor.layers.fused_moe.router.base_router",
+     "BaseRouter"),
 )
 #: The GPU platform's bases of the worker and model-runner classes: ``(module, class)``.
 GPU_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")

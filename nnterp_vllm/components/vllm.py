@@ -16,19 +16,38 @@ from typing import Any
 
 import torch
 from nnsight.intervention.envoy import Envoy
+from nnsight.intervention.interleaver import Mediator
 
+from ..errors import UnavailableValue
 from .attention import HeadOutputs
 from .layer import Layer as BaseLayer
 from .mixer import Mixer as BaseMixer
 from .mlp import Mlp as BaseMlp
 from .mlp import PerToken
 from .standard import Standard
-from .values import Delegate, Scaled, Value, unavailable
+from .values import NNSIGHT_ONLY, WHOLE, Delegate, Scaled, Value
 
 FUSED = (
     "vLLM computes the attention pattern inside its fused attention kernel and never materializes it; "
     "read attention_queries and attention_keys (softmax(q k^T * scale) under the causal mask), "
     "or use StandardizedTransformer for the pattern"
+)
+#: Why the rebuilt pattern is not served at a generated token's step.
+GENERATED_STEP = (
+    "the pattern is rebuilt from the queries and keys of the forward being run, and at a generated token's step "
+    "vLLM's kernel reads the earlier tokens' keys from its paged KV cache, which it hands to no module; the pattern "
+    "is served over the prompt (the first step of a generation, or a trace); read attention_queries and "
+    "attention_keys at each step to rebuild a generated token's row"
+)
+#: Why the pattern cannot be written on vLLM.
+PATTERN_WRITE = (
+    "vLLM's fused attention kernel computes the pattern from the queries and keys and never reads it from a "
+    "module, so it cannot be written; write attention_queries or attention_keys (or use StandardizedTransformer)"
+)
+#: Why the expert choice cannot be written on vLLM.
+CHOICE_WRITE = (
+    "vLLM's fused MoE kernel chooses the experts from router_logits itself and never reads a choice from a "
+    "module, so it cannot be rerouted; write router_logits to change the choice (or use StandardizedTransformer)"
 )
 
 
@@ -172,10 +191,6 @@ def _routed_in_kernel(mlp: Envoy) -> str | None:
     return None if experts is None or isinstance(experts, TransformersMoERunner) else FUSED_MOE
 
 
-def _either(first: Any, then: Any) -> Any:
-    return lambda host: (first(host) if callable(first) else first) or then(host)
-
-
 def copied(value: Value) -> Value:
     """``value`` (a transformers family's) as served on the Transformers backend: the same location, read as a copy.
 
@@ -191,8 +206,37 @@ def copied(value: Value) -> Value:
     property.__init__(served)
     served.__dict__.update(value.__dict__)
     if value.name in ("expert_indices", "expert_weights"):
-        served.unavailable = _either(value.unavailable, _routed_in_kernel)
+        rebuilt = ExpertChoice(value.name == "expert_weights", ExpertChoice.DESCRIPTIONS[value.name])
+        rebuilt.name = value.name
+        return RoutedEither(served, rebuilt)
     return served
+
+
+class RoutedEither(Value):
+    """An expert-choice value on the Transformers backend: transformers' own (``external``) where the backend leaves
+    the routing to transformers' module, which hands the choice to the experts; the choice rebuilt by the fused
+    kernel's router (``internal``, an `ExpertChoice`) where the backend moved the routing into that kernel."""
+
+    def __init__(self, external: Value, internal: Value) -> None:
+        super().__init__(external.key, select=external.select, description=external.description)
+        self.name = external.name
+        self.external, self.internal = external, internal
+
+    def chosen(self, host: Envoy) -> Value:
+        """The value in force on ``host``."""
+        return self.internal if _routed_in_kernel(host) else self.external
+
+    def reason(self, host: Envoy) -> str | None:
+        return self.chosen(host).reason(host)
+
+    def located(self, host: Envoy) -> Any:
+        return self.chosen(host).located(host)
+
+    def read(self, host: Envoy) -> Any:
+        return self.chosen(host).read(host)
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        self.chosen(host).__set__(host, value)
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -348,6 +392,122 @@ class DualStreamLayer(Layer):
     )
 
 
+def _kernel_rule_reason(attention: Envoy) -> str | None:
+    """Why the pattern cannot be rebuilt from the kernel's queries and keys with the kernel's own rule, or ``None``.
+
+    The rule is read off vLLM's attention layer (``attn``) and its backend implementation (``attn.impl``): the
+    scale, the logit soft-cap, the sliding window; what they do not say (a position bias, sinks, a latent or
+    non-causal attention) is refused with its reason.
+    """
+    from vllm.model_executor.layers.attention.attention import Attention as VLLMAttention
+
+    kernel = getattr(attention._module, attention.KERNEL, None)
+    if not isinstance(kernel, VLLMAttention):
+        return f"its kernel is {type(kernel).__name__}, not vLLM's softmax Attention over per-head queries and keys"
+    impl = getattr(kernel, "impl", None)
+    if impl is None or not isinstance(getattr(impl, "scale", None), (int, float)):
+        return "vLLM's attention backend here holds no softmax scale to rebuild the scores with"
+    if getattr(impl, "alibi_slopes", None) is not None or getattr(kernel, "use_alibi_sqrt", False):
+        return (
+            "vLLM adds an ALiBi position bias inside its kernel, relative to each query's position, where "
+            "transformers adds it by key position: the scores differ by a per-row constant, so they are not rebuilt"
+        )
+    if getattr(kernel, "has_sink", False) or getattr(impl, "sinks", None) is not None:
+        return "its kernel adds attention sinks to each row's softmax; the rule with sinks is not rebuilt here"
+    kind = str(getattr(kernel, "attn_type", "decoder")).lower()
+    if "decoder" not in kind or "encoder" in kind:
+        return f"its kernel runs {kind} attention (not causal self-attention over the prompt)"
+    return None
+
+
+def _pattern_reason(attention: Envoy) -> str | None:
+    kind = type(attention)
+    return (
+        kind.attention_queries.reason(attention)
+        or kind.attention_keys.reason(attention)
+        or _kernel_rule_reason(attention)
+    )
+
+
+def _window(kernel: torch.nn.Module) -> int | None:
+    """The kernel's sliding window (how many keys back a query sees, itself included), or ``None``."""
+    window = getattr(kernel, "sliding_window", None)
+    if isinstance(window, (tuple, list)):  # some backends keep (left, right)
+        window = window[0] + 1 if window[0] >= 0 else None
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def rebuilt_scores(attention: Envoy, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, seq, seq]`` scores from the kernel's flat ``[seq, heads * head_dim]`` queries and
+    ``[seq, kv_heads * head_dim]`` keys, with the kernel's rule: scaled, soft-capped, masked (causal, sliding
+    window) the way transformers' eager attention masks, by adding the dtype's minimum at hidden positions."""
+    kernel = getattr(attention._module, attention.KERNEL)
+    impl = kernel.impl
+    head_dim = attention.head_size
+    dtype = queries.dtype
+    q = queries.reshape(queries.shape[0], -1, head_dim).transpose(0, 1).float()
+    k = keys.reshape(keys.shape[0], -1, head_dim).transpose(0, 1).float()
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # grouped-query heads expanded
+    scores = torch.matmul(q, k.transpose(1, 2)) * float(impl.scale)
+    cap = getattr(impl, "logits_soft_cap", None)
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.to(dtype)
+    seq = scores.shape[-1]
+    positions = torch.arange(seq, device=scores.device)
+    back = positions.view(-1, 1) - positions.view(1, -1)
+    visible = back >= 0
+    window = _window(kernel)
+    if window is not None:
+        visible &= back < window
+    hidden = torch.zeros((), dtype=dtype, device=scores.device) + torch.finfo(dtype).min
+    mask = torch.where(visible, torch.zeros((), dtype=dtype, device=scores.device), hidden)
+    return (scores + mask).unsqueeze(0)
+
+
+class Pattern(Value):
+    """The attention pattern vLLM's fused kernel never materializes, rebuilt from the queries and keys it received.
+
+    Read where the kernel is called (``{self.KERNEL}.inputs``), over the prompt: the first forward of a trace or a
+    generation (vLLM prefills a traced prompt in one forward). A generated token's step is refused
+    (`GENERATED_STEP`), and so is a write (`PATTERN_WRITE`). Nothing is computed unless the value is read.
+    """
+
+    def __init__(self, probabilities: bool, description: str) -> None:
+        super().__init__("{self.KERNEL}.inputs", select=WHOLE, description=description, unavailable=_pattern_reason)
+        self.probabilities = probabilities
+
+    def flat_part(self, host: Envoy) -> Any:
+        return NNSIGHT_ONLY
+
+    def read(self, host: Envoy) -> Any:
+        self.check(host)
+        location, _ = self.locate(host)
+        if Mediator.current(location).wanted(location) > 0:
+            raise UnavailableValue(f"{self.name} is not available on {host.path} at a generated step: {GENERATED_STEP}")
+        args, kwargs = Mediator.value(location)
+        queries = args[0] if args else kwargs["query"]
+        keys = args[1] if len(args) > 1 else kwargs["key"]
+        scores = rebuilt_scores(host, gathered(queries), gathered(keys))
+        if not self.probabilities:
+            return scores
+        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        raise UnavailableValue(f"{self.name} cannot be written on {host.path}: {PATTERN_WRITE}")
+
+    def explain(self, host: Envoy) -> str:
+        """How the value is rebuilt on ``host``: where it is read and the kernel's rule."""
+        kernel = getattr(host._module, host.KERNEL)
+        cap = getattr(kernel.impl, "logits_soft_cap", None) or None
+        what = "softmax of the scores" if self.probabilities else "the scores"
+        return (
+            f"rebuilt when read, as {what}, from the queries and keys vLLM's kernel receives "
+            f"({host.path}.{host.KERNEL}.inputs): q k^T * {float(kernel.impl.scale):g}, soft-cap {cap}, "
+            f"causal mask, sliding window {_window(kernel)}, grouped-query heads expanded; the prompt's forward only"
+        )
+
+
 class Attention(Standard):
     """A vLLM attention module: projections around one fused attention kernel (``attn``)."""
 
@@ -409,8 +569,12 @@ class Attention(Standard):
     attention_head_outputs = HeadOutputs(
         description="Each head's contribution after the output projection [1, seq, heads, hidden]"
     )
-    attention_scores = unavailable(FUSED)
-    attention_probabilities = unavailable(FUSED)
+    attention_scores = Pattern(
+        False, "Scaled, masked scores, rebuilt from the kernel's queries and keys [1, heads, seq, seq] (read-only)"
+    )
+    attention_probabilities = Pattern(
+        True, "The pattern, rebuilt from the kernel's queries and keys, rows sum to 1 [1, heads, seq, seq] (read-only)"
+    )
 
 
 for _name in ("attention_queries", "attention_keys", "attention_values"):
@@ -452,6 +616,68 @@ def _fused_choice(mlp: Envoy) -> str:
     return BaseMlp.router_logits.unavailable(mlp) or FUSED_MOE
 
 
+def moe_runner(mlp: Envoy) -> Any:
+    """The MoE block's vLLM experts runner (``EXPERTS``, else the one runner among its modules), or ``None``."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+    named = getattr(mlp._module, mlp.EXPERTS, None)
+    if isinstance(named, MoERunnerInterface):
+        return named
+    found = [module for module in mlp._module.modules() if isinstance(module, MoERunnerInterface)]
+    return found[0] if len(found) == 1 else None
+
+
+def _choice_reason(mlp: Envoy) -> str | None:
+    """Why the expert choice cannot be rebuilt from the router's logits with the kernel's own router, or ``None``."""
+    reason = type(mlp).router_logits.reason(mlp)
+    if reason:
+        return reason
+    runner = moe_runner(mlp)
+    if runner is None:
+        return FUSED_MOE + "; no vLLM experts runner was found in this block to route with"
+    if not callable(getattr(getattr(runner, "router", None), "_compute_routing", None)):
+        kind = type(getattr(runner, "router", None)).__name__
+        return FUSED_MOE + f"; its runner's router ({kind}) is not one to call"
+    return None
+
+
+class ExpertChoice(Value):
+    """The experts vLLM's fused MoE kernel routes each token to (or their weights), rebuilt from the served router
+    logits by the kernel's own router (``runner.router``: its scoring, correction bias, grouped top-k,
+    renormalization), times the routed scaling factor the runner applies to the output: ``[1, seq, k]``, the
+    experts in descending weight order. Read-only (`CHOICE_WRITE`); nothing is computed unless it is read."""
+
+    DESCRIPTIONS = {
+        "expert_indices": "The experts each token is routed to, rebuilt by vLLM's router [1, seq, k] (read-only)",
+        "expert_weights": "The chosen experts' mixing weights, rebuilt by vLLM's router [1, seq, k] (read-only)",
+    }
+
+    def __init__(self, weights: bool, description: str) -> None:
+        super().__init__(
+            "{self.ROUTER}.output", select=WHOLE, description=description, unavailable=_choice_reason, writable=False
+        )
+        self.weights = weights
+
+    def flat_part(self, host: Envoy) -> Any:
+        return NNSIGHT_ONLY
+
+    def read(self, host: Envoy) -> Any:
+        self.check(host)
+        served = type(host).router_logits
+        location, attribute = served.locate(host)
+        logits = served.pick(attribute, Mediator.value(location), served.selection(host))
+        runner = moe_runner(host)
+        weights, indices = runner.router._compute_routing(logits, logits, None)
+        scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+        weights = weights.float() * scale if scale != 1.0 else weights.float()
+        weights, order = weights.sort(dim=-1, descending=True)
+        indices = indices.long().gather(-1, order)
+        return (weights.to(logits.dtype) if self.weights else indices).unsqueeze(0).clone()
+
+    def __set__(self, host: Envoy, value: Any) -> None:
+        raise UnavailableValue(f"{self.name} cannot be written on {host.path}: {CHOICE_WRITE}")
+
+
 class SparseMlp(Mlp):
     """A vLLM mixture-of-experts block: the router's logits are a module output; the expert choice is fused."""
 
@@ -465,24 +691,30 @@ class SparseMlp(Mlp):
         description=BaseMlp.router_logits.description,
         unavailable=BaseMlp.router_logits.unavailable,
     )
-    expert_indices = Value(description=BaseMlp.expert_indices.description, unavailable=_fused_choice)
-    expert_weights = Value(description=BaseMlp.expert_weights.description, unavailable=_fused_choice)
+    expert_indices = ExpertChoice(False, ExpertChoice.DESCRIPTIONS["expert_indices"])
+    expert_weights = ExpertChoice(True, ExpertChoice.DESCRIPTIONS["expert_weights"])
 
 
 __all__ = [
+    "CHOICE_WRITE",
     "FUSED",
     "FUSED_MOE",
+    "GENERATED_STEP",
+    "PATTERN_WRITE",
     "Argument",
     "Attention",
     "Copied",
     "DualStream",
     "DualStreamLayer",
+    "ExpertChoice",
     "Flat",
     "FlatScaled",
     "Hidden",
     "Layer",
     "Mixer",
     "Mlp",
+    "Pattern",
+    "RoutedEither",
     "SparseMlp",
     "Summed",
     "TransformersAttention",

@@ -2,17 +2,21 @@
 
 The same values, shapes (``[1, seq, ...]`` per invoke: one prompt each) and methods as
 `StandardizedTransformer`. Values are copies (vLLM reuses its buffers in place) and
-writes go through assignment. The attention pattern lives inside vLLM's fused kernels
-and is reported unavailable; ``logits`` covers every position, computed from the final
-norm with the model's own head (vLLM itself computes the last position only).
+writes go through assignment. The attention pattern and a fused mixture of experts' choice,
+which vLLM's kernels never materialize, are rebuilt when read (from the kernel's queries and
+keys, from the router's logits) and cannot be written; ``logits`` covers every position,
+computed from the final norm with the model's own head (vLLM itself computes the last position only).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+import dis
+import weakref
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
+from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.errors import raise_deferred as raise_as_nnsight
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
@@ -20,7 +24,17 @@ from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 from .. import arguments, families, nnterp_options
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
-from ..components.vllm import Flat, Hidden, flat, gathered
+from ..components.vllm import (
+    CHOICE_WRITE,
+    PATTERN_WRITE,
+    ExpertChoice,
+    Flat,
+    Hidden,
+    Pattern,
+    RoutedEither,
+    flat,
+    gathered,
+)
 from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import Standardized, family_gaps
 from . import saving
@@ -37,7 +51,72 @@ from .vllm_platform import PlatformVLLM, blocks_to_run, shutdown
 
 
 class VLLMTracer(OneAtATime, NNsightVLLMTracer):
-    """nnsight's vLLM tracer, one trace at a time per model."""
+    """nnsight's vLLM tracer, one trace at a time per model; a write the engine cannot take (a value it only
+    rebuilds, `rebuilt_values`) is refused before anything runs (`refuse_rebuilt_writes`)."""
+
+    def execute(self, code: CodeType) -> None:
+        refuse_rebuilt_writes(self.envoy, code)
+        super().execute(code)
+
+
+#: `rebuilt_values` per model (its envoys' classes do not change once it is built).
+_REBUILT: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def rebuilt_values(model: Any) -> dict[str, str]:
+    """``{value name: why it cannot be written}`` for the values every envoy of ``model`` that has them only
+    rebuilds (the attention pattern, the expert choice: read-only on vLLM)."""
+    try:
+        return _REBUILT[model]
+    except (KeyError, TypeError):
+        pass
+    found: dict[str, str] = {}
+    writable: set[str] = set()
+    for block in model.layers:
+        for envoy in (block, *(getattr(block, name, None) for name in ("self_attn", "mlp"))):
+            if not isinstance(envoy, Envoy):
+                continue
+            for name, value in type(envoy).values().items():
+                if isinstance(value, RoutedEither):
+                    value = value.chosen(envoy)
+                if _unavailable(value, envoy):
+                    continue  # not served here (a dense block's expert choice): no write to weigh
+                if isinstance(value, Pattern):
+                    found[name] = PATTERN_WRITE
+                elif isinstance(value, ExpertChoice):
+                    found[name] = CHOICE_WRITE
+                else:
+                    writable.add(name)
+    refused = {name: why for name, why in found.items() if name not in writable}
+    try:
+        _REBUILT[model] = refused
+    except TypeError:
+        pass
+    return refused
+
+
+def _unavailable(value: Value, envoy: Envoy) -> bool:
+    try:
+        return bool(value.reason(envoy))
+    except Exception:  # noqa: BLE001 - a check that cannot run here is settled in the engine
+        return False
+
+
+def _stored_attributes(code: CodeType) -> set[str]:
+    """The attribute names a code object (and the code nested in it) assigns to."""
+    names = {instruction.argval for instruction in dis.get_instructions(code) if instruction.opname == "STORE_ATTR"}
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            names |= _stored_attributes(constant)
+    return names
+
+
+def refuse_rebuilt_writes(model: Any, code: CodeType) -> None:
+    """Refuse, before the engine runs, a trace body that assigns a value vLLM only rebuilds (``UnavailableValue``)."""
+    refused = rebuilt_values(model)
+    written = sorted(_stored_attributes(code) & refused.keys())
+    if written:
+        raise UnavailableValue(f"{written[0]} cannot be written on vLLM: {refused[written[0]]}")
 
 
 #: Errors a trace body raises that reach the user with their own class and message, as on transformers
@@ -126,7 +205,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
             runs them on Ray (``ray_address=`` or ``RAY_ADDRESS``, else a private cluster). Prefix caching is
             refused: it would share KV state computed under one request's intervention with other requests.
             nnterp's options are taken with their meaning or refused with the reason (`nnterp_options.take`;
-            ``enable_attention_probs=True`` is refused: vLLM never materializes the pattern).
+            ``enable_attention_probs`` changes nothing: the pattern is rebuilt from the kernel's queries and keys
+            when read).
 
     Sampling settings go to ``generate`` as vLLM's (``max_tokens``, ``temperature``) or as transformers'
     (``max_new_tokens``, ``do_sample=False``, ``min_new_tokens``); ``trace`` is one forward pass and refuses them.
