@@ -239,9 +239,10 @@ class SteeredVLLM(SteeringClient, LLM):
         destinations: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[tuple[str, dict[str, Any] | None]]:
         """Check and add requests as `generate` does, without running the engine: each prompt's request id (as its
-        ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order. ``llm_engine.step()`` runs them;
-        `take_captured` takes their rows. ``destinations`` (one per prompt, `shared_rows.SharedRows.destination`)
-        has the engine keep a capturing request's rows in shared memory the caller made."""
+        ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order.
+        ``llm_engine.step()`` runs them; `take_captured` takes their rows. ``destinations`` (one per prompt,
+        `shared_rows.SharedRows.destination`) has the engine keep a capturing request's rows in shared memory the
+        caller made."""
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         prompts = prompt_to_seq(prompts)
