@@ -169,3 +169,28 @@ def test_shared_rows_written_by_another_process_are_seen_here():
     assert open_region({**into, "host": "elsewhere"}, torch.float32) is None
     region.close()
     assert open_region(into, torch.float32) is None  # closed: nothing left to open
+
+
+def test_a_vllm_harvest_of_the_pattern_and_the_experts_choice_reads_them_through_nnsight(tmp_path):
+    """Values the engine does not keep (the attention pattern, the experts' choice) are harvested on vLLM through
+    nnsight, equal to the transformers harvest (experts compared in expert order); the manifest says so."""
+    path = tiny.checkpoint("mixtral")
+    values = [
+        "layers.1.self_attn.attention_probabilities",
+        "layers.0.mlp.expert_indices",
+        "layers.0.mlp.expert_weights",
+    ]
+    options = {"context_length": 24, "progress": False}
+    on_hf = harvest(path, documents(6, seed=2), values, tmp_path / "hf", **options)
+    on_vllm = harvest(path, documents(6, seed=2), values, tmp_path / "vllm", engine="vllm", **options)
+    assert on_vllm.manifest["vllm_path"] == "nnsight" and on_hf.manifest["vllm_path"] is None
+    assert torch.equal(on_vllm.load("token_ids"), on_hf.load("token_ids"))
+    name = "layers.1.self_attn.attention_probabilities"
+    torch.testing.assert_close(on_vllm.load(name), on_hf.load(name), atol=1e-4, rtol=1e-4)
+    choices = []
+    for harvested in (on_hf, on_vllm):
+        indices, weights = harvested.load("layers.0.mlp.expert_indices"), harvested.load("layers.0.mlp.expert_weights")
+        order = indices.argsort(dim=-1)
+        choices.append((indices.gather(-1, order), weights.gather(-1, order)))
+    assert torch.equal(choices[0][0], choices[1][0])
+    torch.testing.assert_close(choices[0][1], choices[1][1], atol=1e-4, rtol=1e-4)
