@@ -32,6 +32,17 @@ def on_transformers(llama_path, tmp_path_factory):
     return harvest(llama_path, documents(24, seed=3), VALUES, tmp_path_factory.mktemp("hf") / "out", **OPTIONS)
 
 
+def open_files() -> list[str]:
+    """What this process's file descriptors point at."""
+    found = []
+    for descriptor in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        except FileNotFoundError:  # the descriptor listing the directory, closed since
+            pass
+    return found
+
+
 def assert_same_harvest(harvested, reference) -> None:
     for name in ("token_ids", "documents", "offsets", "rows"):
         assert torch.equal(harvested.load(name), reference.load(name)), name
@@ -67,17 +78,17 @@ def test_the_engine_runs_in_process_and_is_fed_across_shards(llama_path, on_tran
 
 def test_an_engine_in_its_own_process_fills_the_shared_rows(llama_path, on_transformers, tmp_path, monkeypatch):
     """Where the caller keeps vLLM's engine core in a process of its own, that process writes the rows into the
-    harvest's shared memory; nothing is left in /dev/shm."""
+    harvest's shared memory (anonymous memory files: none is left open here, nothing of ours in /dev/shm)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    before = set(os.listdir("/dev/shm"))
     vllm = {"engine": "vllm", "model_kwargs": {"dtype": "float32"}}
     harvested = harvest(llama_path, documents(24, seed=3), VALUES, tmp_path / "out", **vllm, **OPTIONS)
     assert harvested.manifest["engine_process"] == "own process"
     assert_same_harvest(harvested, on_transformers)
-    assert set(os.listdir("/dev/shm")) <= before
+    assert not [name for name in os.listdir("/dev/shm") if "nnterp" in name]
+    assert not [target for target in open_files() if "nnterp-vllm-rows" in target]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")  # stopped after its class: one in-process engine at a time
 def engine(llama_path):
     from nnterp_vllm import SteeredVLLM
 

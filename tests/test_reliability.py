@@ -265,7 +265,9 @@ def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeyp
     assert explicit["max_model_len"] == 2**15 and explicit["kv_cache_memory_bytes"] == 4 * 2**15 * per_token
     beyond = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**19)
     assert beyond["max_model_len"] == 2**19 and beyond["kv_cache_memory_bytes"] == budget  # vLLM says it is short
-    assert vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7) == {"kv_cache_memory_bytes": 7}
+    # A sized cache is the caller's; the dtype is the one the library loads the checkpoint in (its config's).
+    sized = vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7)
+    assert sized == {"kv_cache_memory_bytes": 7, "dtype": "float32"}
 
 
 def test_a_steered_engine_sizes_the_cpu_kv_cache_for_its_checkpoint_as_the_others_do(monkeypatch):
