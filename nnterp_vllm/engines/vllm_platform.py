@@ -82,6 +82,14 @@ CUDA_WORKER_CLS = f"{__name__}.NNsightCUDAWorker"
 RUNNER_SETTING = "VLLM_USE_V2_MODEL_RUNNER"
 
 
+def reread_environment() -> None:
+    """Make vLLM read its environment settings afresh: an in-process engine built earlier may have cached them."""
+    from vllm import envs
+
+    if envs._is_envs_cache_enabled():
+        envs.disable_envs_cache()
+
+
 def choose_model_runner(engine: str) -> None:
     """Make the vLLM engines built after this call, in this process and the processes it starts, run vLLM's V1
     model runner: the runner that nnsight, the steering table and the capture operations instrument.
@@ -100,10 +108,7 @@ def choose_model_runner(engine: str) -> None:
             f"(steering, capture and nnsight interventions would not run). Unset {RUNNER_SETTING} or set it to 0."
         )
     os.environ[RUNNER_SETTING] = "0"
-    from vllm import envs
-
-    if envs._is_envs_cache_enabled():
-        envs.disable_envs_cache()
+    reread_environment()
     logger.info(
         "%s runs vLLM's V1 model runner (%s=0): the runner its operations are installed on; vLLM would pick "
         "its V2 runner wherever Triton works",

@@ -129,10 +129,9 @@ class EngineHarvester:
         if self.chose_in_process:
             self.chose_in_process = False
             os.environ.pop(MULTIPROCESSING, None)
-            from vllm import envs
+            from ..engines.vllm_platform import reread_environment
 
-            if envs._is_envs_cache_enabled():
-                envs.disable_envs_cache()
+            reread_environment()
 
 
 def in_process_by_default() -> bool:
@@ -142,10 +141,9 @@ def in_process_by_default() -> bool:
     if MULTIPROCESSING in os.environ:
         return False
     os.environ[MULTIPROCESSING] = "0"
-    from vllm import envs
+    from ..engines.vllm_platform import reread_environment
 
-    if envs._is_envs_cache_enabled():
-        envs.disable_envs_cache()
+    reread_environment()
     return True
 
 
