@@ -65,7 +65,10 @@ VLLM_COLUMNS: dict[str, tuple[str, ...]] = {
     "mixer_output": ("test_block_values_equal_transformers", "test_residual_identity_on_vllm"),
     "mlp.router_logits": ("test_routing_equals_transformers",),
     "mlp.expert_indices": ("test_routing_equals_transformers",),
-    "self_attn.attention_probabilities": ("test_pattern_equals_transformers",),
+    "self_attn.attention_probabilities": (
+        "test_pattern_equals_transformers",
+        "test_pattern_at_generated_steps_equals_transformers",
+    ),
     "self_attn.attention_queries": ("test_attention_interior_equals_transformers",),
     "self_attn.attention_head_outputs": ("test_attention_interior_equals_transformers",),
     "write": ("test_interventions_match_transformers",),

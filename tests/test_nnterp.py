@@ -248,7 +248,8 @@ def test_print_source_shows_where_the_pattern_is_read_or_why_it_is_not(engines, 
     engines.vllm.attention_probabilities.print_source(2)
     shown = capsys.readouterr().out.strip()
     assert shown.startswith("model.model.layers.2.self_attn.attention_probabilities: rebuilt when read")
-    assert "model.model.layers.2.self_attn.attn.inputs" in shown and "the prompt's forward only" in shown
+    assert "model.model.layers.2.self_attn.attn.inputs" in shown
+    assert "after a request's first step: the earlier tokens' keys read back from vLLM's KV cache" in shown
 
 
 # -- nnterp's constructor options ------------------------------------------------

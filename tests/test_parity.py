@@ -5,7 +5,7 @@ tests run it on StandardizedTransformer and on StandardizedVLLM over the same ch
 the results with each other and with transformers' own outputs (``output_hidden_states``,
 ``output_attentions``, ``generate``, forward hooks). The attention pattern and a mixture of experts'
 choice, which vLLM's kernels never materialize, are rebuilt there when read: the experiments read them
-alike on both engines; what vLLM refuses (writing them, the pattern at a generated step) is refused with
+alike on both engines, at generated steps too; what vLLM refuses (writing them) is refused with
 `UnavailableValue`, and the test says so.
 """
 
@@ -173,13 +173,27 @@ def experiment_read_pattern_and_expert_choice(model, prompt=PROMPT):
     return rows
 
 
-def experiment_read_pattern_while_generating(model, prompt=PROMPT, steps=2):
-    """The first block's pattern at each generated step."""
+def experiment_read_pattern_while_generating(model, prompt=PROMPT, steps=3):
+    """Every block's scores and pattern at each step of a greedy generation: the prompt's rows, then one row
+    per generated token over its whole context."""
     with model.generate(prompt, max_new_tokens=steps, do_sample=False) as tracer:
-        patterns = nnsight.save([])
+        read = nnsight.save([])
         for _ in tracer.iter[:steps]:
-            patterns.append(model.layers[0].self_attn.attention_probabilities.save())
-    return patterns
+            read.append(
+                [
+                    (block.self_attn.attention_scores.save(), block.self_attn.attention_probabilities.save())
+                    for block in model.layers
+                ]
+            )
+    return read
+
+
+def experiment_read_pattern_at_one_later_step(model, prompt=PROMPT, step=2):
+    """The last block's pattern at one generated step only, nothing read before it."""
+    with model.generate(prompt, max_new_tokens=step + 1, do_sample=False) as tracer:
+        for _ in tracer.iter[step]:
+            pattern = model.layers[-1].self_attn.attention_probabilities.save()
+    return pattern
 
 
 def experiment_write_pattern(model, prompt=PROMPT):
@@ -300,15 +314,46 @@ def test_the_pattern_and_the_expert_choice_equal_on_both_engines(engines):
         assert any("experts" in row for row in vllm_rows), "mixtral's expert choice was not read"
 
 
-def test_the_pattern_is_read_at_a_generations_first_step_and_refused_at_the_next(engines):
+def test_the_pattern_at_every_generated_step_equals_transformers(engines):
+    """A generated token's row over its context: the earlier keys read back from vLLM's KV cache. On gemma2's
+    sliding-window blocks (a window of 16, shorter than the context) the row spans the window's keys, as
+    transformers' cache hands them. Transformers' own ``generate(output_attentions=True)`` is the ground truth."""
+    if not served(engines.vllm, "self_attn.attention_probabilities"):
+        pytest.skip(engines.vllm.support()["self_attn.attention_probabilities"])
+    hf_steps, vllm_steps = on_both(engines, experiment_read_pattern_while_generating)
+    with torch.no_grad():
+        truth = plain(engines).generate(
+            **encoded(engines), max_new_tokens=3, do_sample=False, output_attentions=True, return_dict_in_generate=True
+        )
+    length = encoded(engines)["input_ids"].shape[1]
+    for step, (hf_blocks, vllm_blocks) in enumerate(zip(hf_steps, vllm_steps)):
+        for layer, ((hf_scores, hf_pattern), (vllm_scores, vllm_pattern)) in enumerate(zip(hf_blocks, vllm_blocks)):
+            assert vllm_pattern.shape[-2] == (length if step == 0 else 1)
+            close(hf_pattern, truth.attentions[step][layer], engines.tolerance)
+            close(vllm_pattern, hf_pattern, engines.tolerance)
+            close(vllm_scores, hf_scores, engines.tolerance)
+    later = on_both(engines, experiment_read_pattern_at_one_later_step)
+    close(later[1], later[0], engines.tolerance)
+    close(later[1], truth.attentions[2][-1], engines.tolerance)
+
+
+def test_a_cache_without_plain_keys_serves_the_prompts_rows_and_says_why_at_later_steps(engines):
+    """An fp8 KV cache holds no keys to read back: the prompt's rows are served (from the kernel's own inputs)
+    and a later step is refused with the reason; the engine serves on."""
     if engines.name != "llama":
-        pytest.skip("the generated step is the engine's, not a family's: checked once, on llama")
-    first = experiment_read_pattern(engines.vllm)
-    with pytest.raises(UnavailableValue, match="at a generated step"):
-        experiment_read_pattern_while_generating(engines.vllm)
-    (step_zero,) = experiment_read_pattern_while_generating(engines.vllm, steps=1)
-    close(step_zero, first, engines.tolerance)
-    assert torch.isfinite(experiment_read_pattern(engines.vllm)).all()  # the engine serves on
+        pytest.skip("the KV cache's dtype is the engine's, not a family's: checked once, on llama")
+    quantized = StandardizedVLLM(engines.path, dtype="float32", kv_cache_dtype="fp8")
+    try:
+        try:
+            prompt_rows = experiment_read_pattern(quantized)
+        except NotImplementedError as error:  # vLLM's CPU kernels store fp8 caches only with AVX-512 or AMX
+            pytest.skip(str(error))
+        close(prompt_rows, experiment_read_pattern(engines.hf), engines.tolerance)
+        with pytest.raises(UnavailableValue, match="at this step: .*KV cache is stored as fp8"):
+            experiment_read_pattern_at_one_later_step(quantized)
+        assert torch.isfinite(experiment_read_pattern(quantized)).all()
+    finally:
+        quantized.shutdown()
 
 
 def test_writing_the_pattern_or_the_experts_is_refused_on_vllm_before_it_runs(engines):

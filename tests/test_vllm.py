@@ -171,6 +171,27 @@ class Runs:
             tokens = tracer.result.save()
         return [int(sample.flatten()[0]) for sample in samples], tokens[0, -steps:].tolist()
 
+    @functools.cached_property
+    def generated_patterns(self):
+        """Every block's scores and pattern (where both engines claim them) at each of three greedy steps, and
+        the tokens generated: (vLLM's, transformers'), each ``(tokens, [per step: {(layer, name): tensor}])``."""
+        layers = [i for i in range(self.on_hf.num_layers) if all(claimed(t, PATTERN[1], i) for t in self.tables)]
+        return tuple(self._generated_patterns(model, layers) for model in (self.on_vllm, self.on_hf))
+
+    @property
+    def tables(self):
+        return self.vllm_table, self.hf_table
+
+    @staticmethod
+    def _generated_patterns(model, layers, steps=3):
+        with model.generate(reference.PROMPT, max_new_tokens=steps, do_sample=False, min_new_tokens=steps) as tracer:
+            read = nnsight.save([])
+            tokens = nnsight.save([])
+            for _ in tracer.iter[:steps]:
+                read.append({(i, name): model.layers[i].get(name) for i in layers for name in PATTERN})
+                tokens.append(model.next_token_probs.argmax(-1))
+        return [int(token.flatten()[0]) for token in tokens], read
+
 
 @pytest.fixture(scope="module", params=VLLM_FAMILIES)
 def runs(request):
@@ -227,6 +248,20 @@ def test_pattern_equals_transformers(runs):
     for (_, name), pattern in on_vllm.items():
         if name == "self_attn.attention_probabilities":
             close(pattern.sum(-1), torch.ones(pattern.shape[:-1]))
+
+
+def test_pattern_at_generated_steps_equals_transformers(runs):
+    """At each generated step a token's row over its context (vLLM reads the earlier keys back from its KV cache)
+    equals transformers' on every block both serve the pattern, after the same greedy tokens."""
+    (vllm_tokens, on_vllm), (hf_tokens, on_hf) = runs.generated_patterns
+    if not on_hf[0]:
+        pytest.skip(f"no attention pattern served on vLLM: {runs.vllm_table.get(PATTERN[1], 'no attention')}")
+    assert vllm_tokens == hf_tokens, "the engines chose different greedy tokens; the later rows would differ"
+    for step, (vllm_step, hf_step) in enumerate(zip(on_vllm, on_hf)):
+        for key, expected in hf_step.items():
+            assert on_vllm[step][key].shape == expected.shape, (step, key)
+            assert expected.shape[-2] == (1 if step else expected.shape[-1]), (step, key, expected.shape)
+            close(vllm_step[key], expected, msg=lambda message, key=key, step=step: f"step {step} {key}: {message}")
 
 
 def test_routing_equals_transformers(runs):

@@ -63,26 +63,51 @@ GPU_ONLY_FOLDERS = ("vllm/third_party/", "vllm/vllm_flash_attn/")
 #: patches are all here; of those it only reads, the engines' configuration and shutdown calls.
 INSTANCE_ATTRIBUTES = (
     ("engines/scheduling.py", "scheduler.kv_cache_manager", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "scheduler.kv_cache_manager.coordinator", "vllm.v1.core.kv_cache_manager",
-     "KVCacheManager"),
+    (
+        "engines/scheduling.py",
+        "scheduler.kv_cache_manager.coordinator",
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager",
+    ),
     ("engines/scheduling.py", "coordinator.cache_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"),
     ("engines/cpu_executors.py", "current_platform.ray_device_key", "vllm.platforms.interface", "Platform"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.attention", "Attention"),
-    ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.mla_attention",
-     "MLAAttention"),
+    ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
     ("engines/steered.py", "params.extra_args", "vllm.sampling_params", "SamplingParams"),
-    ("engines/scheduling.py", "vllm_config.scheduler_config.async_scheduling", "vllm.config.scheduler",
-     "SchedulerConfig"),
-    ("engines/vllm_platform.py", "vllm_config.model_config.get_total_num_hidden_layers", "vllm.config.model",
-     "ModelConfig"),
+    (
+        "engines/scheduling.py",
+        "vllm_config.scheduler_config.async_scheduling",
+        "vllm.config.scheduler",
+        "SchedulerConfig",
+    ),
+    (
+        "engines/vllm_platform.py",
+        "vllm_config.model_config.get_total_num_hidden_layers",
+        "vllm.config.model",
+        "ModelConfig",
+    ),
     ("engines/steered.py", "vllm_config.model_config.get_hidden_size", "vllm.config.model", "ModelConfig"),
     ("engines/vllm_platform.py", "engine.engine_core.shutdown", "vllm.v1.engine.core_client", "EngineCoreClient"),
     # the attention pattern and the expert choice, rebuilt with the kernel's own rule and router
     ("components/vllm.py", "kernel.impl", "vllm.model_executor.layers.attention.attention", "Attention"),
     ("components/vllm.py", "impl.scale", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("engines/kv_cache.py", "kernel.kv_cache", "vllm.model_executor.layers.attention.attention", "Attention"),
+    ("engines/kv_cache.py", "kernel.attn_backend", "vllm.model_executor.layers.attention.attention", "Attention"),
+    (
+        "engines/kv_cache.py",
+        "kernel.kv_sharing_target_layer_name",
+        "vllm.model_executor.layers.attention.attention",
+        "Attention",
+    ),
+    ("engines/kv_cache.py", "impl.do_kv_cache_update", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("components/vllm.py", "kernel.layer_name", "vllm.model_executor.layers.attention.attention", "Attention"),
     ("components/vllm.py", "runner.router", "vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
-    ("components/vllm.py", "runner.router._compute_routing", "vllm.model_executor.layers.fused_moe.router.base_router",
-     "BaseRouter"),
+    (
+        "components/vllm.py",
+        "runner.router._compute_routing",
+        "vllm.model_executor.layers.fused_moe.router.base_router",
+        "BaseRouter",
+    ),
 )
 #: The GPU platform's bases of the worker and model-runner classes: ``(module, class)``.
 GPU_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
@@ -155,8 +180,9 @@ def test_builds_differ_only_in_platform_files(gpu: SourceTree, installed: Source
     """vLLM's CPU and GPU builds of the pinned version ship the same Python files but for the known ones."""
     here, there = python_files(installed.root), python_files(gpu.root)
     differing = {path for path in here.keys() | there.keys() if here.get(path) != there.get(path)}
-    expected = {path for path in differing if path in PLATFORM_FILES or
-                (path not in here and path.startswith(GPU_ONLY_FOLDERS))}
+    expected = {
+        path for path in differing if path in PLATFORM_FILES or (path not in here and path.startswith(GPU_ONLY_FOLDERS))
+    }
     assert differing == expected, (
         "vLLM's CPU build differs from its GPU wheel in files not known to differ (review them, then extend "
         f"PLATFORM_FILES): {sorted(differing - expected)}"
@@ -169,8 +195,9 @@ def project_files() -> dict[str, list[ast.AST]]:
     path there."""
     kinds = (ast.Import, ast.ImportFrom, ast.Attribute, ast.Call, ast.ClassDef)
     return {
-        path.relative_to(PACKAGE).as_posix(): [node for node in ast.walk(ast.parse(path.read_text()))
-                                               if isinstance(node, kinds)]
+        path.relative_to(PACKAGE).as_posix(): [
+            node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, kinds)
+        ]
         for path in PACKAGE.rglob("*.py")
     }
 
@@ -302,8 +329,12 @@ def worker_classes() -> tuple[type, ...]:
 
 def owned_members(cls: type) -> dict[str, str]:
     """``{name: where}`` for what the project's and nnsight's classes in ``cls``'s MRO define themselves."""
-    return {name: f"{owner.__module__}.{owner.__qualname__}" for owner in reversed(cls.__mro__)
-            if owner.__module__.startswith(OWNED) for name in vars(owner)}
+    return {
+        name: f"{owner.__module__}.{owner.__qualname__}"
+        for owner in reversed(cls.__mro__)
+        if owner.__module__.startswith(OWNED)
+        for name in vars(owner)
+    }
 
 
 def used_attributes(cls: type) -> dict[str, str]:
@@ -458,3 +489,93 @@ def test_overrides_of_classes_not_built_here_match_gpu(gpu: SourceTree, installe
             if not same([here], [there]) or there.kind != "def" or not accepts(override, there.parameters):
                 problems.append(difference(f"{where}: def {statement.name}({render(override)})", [here], [there]))
     assert not problems, "defs of the GPU platform's classes do not match the GPU build:\n" + "\n".join(problems)
+
+
+#: The GPU backends whose KV cache the pattern reads back at a request's later steps: (module, impl, metadata).
+CACHE_READ_BACKENDS = (
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl", "FlashAttentionMetadata"),
+    ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl", "TritonAttentionMetadata"),
+)
+#: What each of their cache writers does with a (B, H, N, 2 * head_size) cache, emulated below.
+FLASH_LAYOUT_SPLIT = "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)"
+
+
+class FlashLayoutImpl:
+    """A cache writer as the GPU backends' ``do_kv_cache_update`` writes (`FLASH_LAYOUT_SPLIT`, then token ``slot``
+    at ``[slot // block_size, slot % block_size]`` of the ``(B, N, H, head_size)`` key view)."""
+
+    def __init__(self, head_size: int) -> None:
+        self.head_size = head_size
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        block_size = key_cache.shape[1]
+        key_cache[slot_mapping // block_size, slot_mapping % block_size] = key
+        value_cache[slot_mapping // block_size, slot_mapping % block_size] = value
+
+
+def test_earlier_keys_are_read_back_from_the_gpu_backends_cache_layout(gpu: SourceTree) -> None:
+    """The GPU backends write keys with `FLASH_LAYOUT_SPLIT` and keep the block table, sequence lengths and query
+    starts the read needs; `kv_cache.earlier_keys` learns that layout (one the CPU kernels do not use) from the
+    writer and reads a request's keys back through a scattered block table, whole or the last ``window - 1``."""
+    import torch
+
+    from nnterp_vllm.engines import kv_cache
+
+    for module, impl, metadata in CACHE_READ_BACKENDS:
+        writer = gpu.member(*gpu.class_node(module, impl), "do_kv_cache_update")
+        assert writer.kind == "def", f"{module}.{impl}.do_kv_cache_update: {writer}"
+        body = ast.unparse(gpu.class_node(module, impl)[1])
+        assert FLASH_LAYOUT_SPLIT in body, f"{module}.{impl} no longer splits its cache as {FLASH_LAYOUT_SPLIT}"
+        fields = {
+            node.target.id for node in gpu.class_node(module, metadata)[1].body if isinstance(node, ast.AnnAssign)
+        }
+        assert {"block_table", "seq_lens", "query_start_loc"} <= fields, f"{module}.{metadata}: {sorted(fields)}"
+
+    heads, head_size, block_size, earlier = 2, 32, 16, 40
+    kernel = torch.nn.Module()
+    kernel.impl, kernel.head_size = FlashLayoutImpl(head_size), head_size
+    kernel.kv_cache = torch.zeros(9, heads, block_size, 2 * head_size)
+    table = torch.tensor([[7, 2, 5, 0]])
+    keys = torch.randn(earlier, heads, head_size)
+    slots = table[0, torch.arange(earlier) // block_size] * block_size + torch.arange(earlier) % block_size
+    kernel.impl.do_kv_cache_update(kernel, keys, -keys, kernel.kv_cache, slots)
+    step = type(
+        "Metadata",
+        (),
+        {"block_table": table, "seq_lens": torch.tensor([earlier + 1]), "query_start_loc": torch.tensor([0, 1])},
+    )()
+    flat = keys.reshape(earlier, -1)
+    assert torch.equal(kv_cache.earlier_keys(kernel, step, 0, 0, None), flat)
+    assert torch.equal(kv_cache.earlier_keys(kernel, step, 0, 0, 15), flat[-15:])
+
+
+def test_caches_that_hold_no_plain_keys_are_not_read_back(gpu: SourceTree) -> None:
+    """A quantized cache, a layer reading another layer's cache, a backend writing its cache inside its kernel: each
+    is refused with its reason (the attributes read are the GPU build's, `INSTANCE_ATTRIBUTES`)."""
+    from types import SimpleNamespace
+
+    from nnterp_vllm.engines.kv_cache import unreadable_reason
+
+    backend = gpu.member(
+        *gpu.class_node("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
+        "forward_includes_kv_cache_update",
+    )
+    assert backend.kind != "missing", backend
+
+    def kernel(**changed):
+        attributes = {
+            "impl": FlashLayoutImpl(32),
+            "kv_cache_dtype": "auto",
+            "kv_sharing_target_layer_name": None,
+            "attn_backend": SimpleNamespace(forward_includes_kv_cache_update=False),
+        }
+        return SimpleNamespace(**{**attributes, **changed})
+
+    assert unreadable_reason(kernel()) is None
+    assert "stored as fp8_e4m3" in unreadable_reason(kernel(kv_cache_dtype="fp8_e4m3"))
+    assert "reads the KV cache of model.layers.0" in unreadable_reason(
+        kernel(kv_sharing_target_layer_name="model.layers.0.self_attn.attn")
+    )
+    inside = kernel(attn_backend=SimpleNamespace(forward_includes_kv_cache_update=True))
+    assert "writes its KV cache inside its kernel" in unreadable_reason(inside)

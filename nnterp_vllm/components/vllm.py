@@ -32,12 +32,10 @@ FUSED = (
     "read attention_queries and attention_keys (softmax(q k^T * scale) under the causal mask), "
     "or use StandardizedTransformer for the pattern"
 )
-#: Why the rebuilt pattern is not served at a generated token's step.
+#: Why the rebuilt pattern is not served at a step after a request's first, before the backend's own reason.
 GENERATED_STEP = (
-    "the pattern is rebuilt from the queries and keys of the forward being run, and at a generated token's step "
-    "vLLM's kernel reads the earlier tokens' keys from its paged KV cache, which it hands to no module; the pattern "
-    "is served over the prompt (the first step of a generation, or a trace); read attention_queries and "
-    "attention_keys at each step to rebuild a generated token's row"
+    "after a request's first step vLLM's kernel reads the earlier tokens' keys from its paged KV cache, and "
+    "they cannot be read back from this cache"
 )
 #: Why the pattern cannot be written on vLLM.
 PATTERN_WRITE = (
@@ -396,8 +394,10 @@ def _kernel_rule_reason(attention: Envoy) -> str | None:
     """Why the pattern cannot be rebuilt from the kernel's queries and keys with the kernel's own rule, or ``None``.
 
     The rule is read off vLLM's attention layer (``attn``) and its backend implementation (``attn.impl``): the
-    scale, the logit soft-cap, the sliding window; what they do not say (a position bias, sinks, a latent or
-    non-causal attention) is refused with its reason.
+    scale, the logit soft-cap, the sliding window, ALiBi slopes; what they do not say (a latent or non-causal
+    attention) is refused with its reason. Attention sinks change the attention's output, not the pattern: the
+    pattern stays the softmax over the keys, as transformers' eager attention returns it for the families that
+    serve it (a family whose transformers pattern counts the sink says so itself).
     """
     from vllm.model_executor.layers.attention.attention import Attention as VLLMAttention
 
@@ -407,13 +407,8 @@ def _kernel_rule_reason(attention: Envoy) -> str | None:
     impl = getattr(kernel, "impl", None)
     if impl is None or not isinstance(getattr(impl, "scale", None), (int, float)):
         return "vLLM's attention backend here holds no softmax scale to rebuild the scores with"
-    if getattr(impl, "alibi_slopes", None) is not None or getattr(kernel, "use_alibi_sqrt", False):
-        return (
-            "vLLM adds an ALiBi position bias inside its kernel, relative to each query's position, where "
-            "transformers adds it by key position: the scores differ by a per-row constant, so they are not rebuilt"
-        )
-    if getattr(kernel, "has_sink", False) or getattr(impl, "sinks", None) is not None:
-        return "its kernel adds attention sinks to each row's softmax; the rule with sinks is not rebuilt here"
+    if getattr(kernel, "use_alibi_sqrt", False):
+        return "its kernel scales an ALiBi bias by the square root of the distance, a rule not rebuilt here"
     kind = str(getattr(kernel, "attn_type", "decoder")).lower()
     if "decoder" not in kind or "encoder" in kind:
         return f"its kernel runs {kind} attention (not causal self-attention over the prompt)"
@@ -421,10 +416,13 @@ def _kernel_rule_reason(attention: Envoy) -> str | None:
 
 
 def _pattern_reason(attention: Envoy) -> str | None:
-    kind = type(attention)
+    """Why the pattern cannot be rebuilt: the kernel does not receive per-head queries and keys, or its rule is not
+    rebuilt. A family whose queries differ from transformers' only by where a scale is applied (the kernel's
+    inputs, not the standardized queries) still serves the pattern; one whose pattern is not transformers' for a
+    reason of its own declares the pattern unavailable itself."""
     return (
-        kind.attention_queries.reason(attention)
-        or kind.attention_keys.reason(attention)
+        Attention.attention_queries.reason(attention)
+        or Attention.attention_keys.reason(attention)
         or _kernel_rule_reason(attention)
     )
 
@@ -437,14 +435,26 @@ def _window(kernel: torch.nn.Module) -> int | None:
     return window if isinstance(window, int) and window > 0 else None
 
 
-def rebuilt_scores(attention: Envoy, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``[1, heads, seq, seq]`` scores from the kernel's flat ``[seq, heads * head_dim]`` queries and
-    ``[seq, kv_heads * head_dim]`` keys, with the kernel's rule: scaled, soft-capped, masked (causal, sliding
-    window) the way transformers' eager attention masks, by adding the dtype's minimum at hidden positions."""
+def rebuilt_scores(
+    attention: Envoy, queries: torch.Tensor, keys: torch.Tensor, earlier: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[1, heads, new, earlier + new]`` scores of a step's ``new`` tokens from the kernel's flat
+    ``[new, heads * head_dim]`` queries and ``[new, kv_heads * head_dim]`` keys, after the keys of the ``earlier``
+    tokens they attend to (``[earlier, kv_heads * head_dim]``, read back from the KV cache; none on a prompt's first
+    step), with the kernel's rule: scaled, soft-capped, an ALiBi bias added, masked (causal, sliding window) the way
+    transformers' eager attention masks, by adding the dtype's minimum at hidden positions."""
     kernel = getattr(attention._module, attention.KERNEL)
     impl = kernel.impl
     head_dim = attention.head_size
     dtype = queries.dtype
+    if earlier is not None:
+        keys = torch.cat([earlier.to(keys.dtype), keys])
+    positions = torch.arange(keys.shape[0], device=queries.device)
+    back = positions[keys.shape[0] - queries.shape[0] :].view(-1, 1) - positions.view(1, -1)
+    visible = back >= 0
+    window = _window(kernel)
+    if window is not None:
+        visible &= back < window
     q = queries.reshape(queries.shape[0], -1, head_dim).transpose(0, 1).float()
     k = keys.reshape(keys.shape[0], -1, head_dim).transpose(0, 1).float()
     k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # grouped-query heads expanded
@@ -452,25 +462,59 @@ def rebuilt_scores(attention: Envoy, queries: torch.Tensor, keys: torch.Tensor) 
     cap = getattr(impl, "logits_soft_cap", None)
     if cap:
         scores = torch.tanh(scores / cap) * cap
+    slopes = getattr(impl, "alibi_slopes", None)
+    if slopes is not None:  # by key position, as transformers' ALiBi families add it (softmax-equal to vLLM's)
+        scores = scores + gathered(slopes.float().to(scores.device)).view(-1, 1, 1) * positions.float()
     scores = scores.to(dtype)
-    seq = scores.shape[-1]
-    positions = torch.arange(seq, device=scores.device)
-    back = positions.view(-1, 1) - positions.view(1, -1)
-    visible = back >= 0
-    window = _window(kernel)
-    if window is not None:
-        visible &= back < window
     hidden = torch.zeros((), dtype=dtype, device=scores.device) + torch.finfo(dtype).min
     mask = torch.where(visible, torch.zeros((), dtype=dtype, device=scores.device), hidden)
     return (scores + mask).unsqueeze(0)
 
 
+def _step_reason(attention: Envoy) -> str | None:
+    """Why the pattern cannot be served at a step after a request's first (its earlier keys are in the cache)."""
+    from ..engines.kv_cache import unreadable_reason
+
+    reason = unreadable_reason(getattr(attention._module, attention.KERNEL))
+    return None if reason is None else f"{GENERATED_STEP}: {reason}"
+
+
+def earlier_keys(attention: Envoy, location: str) -> torch.Tensor | None:
+    """The keys of the invoke's tokens before this step that its tokens attend to, from vLLM's KV cache (``None``
+    on its first step): all of them, or on a sliding-window layer the last ``window - 1`` (what transformers'
+    sliding-window cache hands such a layer, so the pattern has the same columns on both engines)."""
+    from vllm.forward_context import get_forward_context
+
+    from ..engines import kv_cache
+
+    mediator = Mediator.current(location)
+    kernel = getattr(attention._module, attention.KERNEL)
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    if isinstance(metadata, dict):
+        metadata = metadata[kernel.layer_name]
+    window = _window(kernel)  # a window's layer attends to its last window - 1 earlier keys, as transformers' cache
+    try:
+        if not kv_cache.earlier_tokens(metadata, mediator.row, mediator.batch_group[0]):
+            return None
+        reason = _step_reason(attention)
+        if reason is not None:
+            raise RuntimeError(reason)
+        return kv_cache.earlier_keys(
+            kernel, metadata, mediator.row, mediator.batch_group[0], None if window is None else window - 1
+        )
+    except RuntimeError as error:
+        raise UnavailableValue(f"the pattern is not available on {attention.path} at this step: {error}") from None
+
+
 class Pattern(Value):
     """The attention pattern vLLM's fused kernel never materializes, rebuilt from the queries and keys it received.
 
-    Read where the kernel is called (``{self.KERNEL}.inputs``), over the prompt: the first forward of a trace or a
-    generation (vLLM prefills a traced prompt in one forward). A generated token's step is refused
-    (`GENERATED_STEP`), and so is a write (`PATTERN_WRITE`). Nothing is computed unless the value is read.
+    Read where the kernel is called (``{self.KERNEL}.inputs``), at any step: the rows of the step's tokens (the
+    prompt's at a trace or a generation's first step; one row per generated token after it) over every key they
+    attend to, the earlier tokens' keys read back from the request's KV cache (`nnterp_vllm.engines.kv_cache`).
+    A write is refused (`PATTERN_WRITE`). Nothing is computed unless the value is read.
     """
 
     def __init__(self, probabilities: bool, description: str) -> None:
@@ -483,12 +527,11 @@ class Pattern(Value):
     def read(self, host: Envoy) -> Any:
         self.check(host)
         location, _ = self.locate(host)
-        if Mediator.current(location).wanted(location) > 0:
-            raise UnavailableValue(f"{self.name} is not available on {host.path} at a generated step: {GENERATED_STEP}")
         args, kwargs = Mediator.value(location)
         queries = args[0] if args else kwargs["query"]
         keys = args[1] if len(args) > 1 else kwargs["key"]
-        scores = rebuilt_scores(host, gathered(queries), gathered(keys))
+        earlier = earlier_keys(host, location)
+        scores = rebuilt_scores(host, gathered(queries), gathered(keys), None if earlier is None else gathered(earlier))
         if not self.probabilities:
             return scores
         return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
@@ -501,10 +544,14 @@ class Pattern(Value):
         kernel = getattr(host._module, host.KERNEL)
         cap = getattr(kernel.impl, "logits_soft_cap", None) or None
         what = "softmax of the scores" if self.probabilities else "the scores"
+        later = _step_reason(host) or "the earlier tokens' keys read back from vLLM's KV cache"
+        rule = [f"q k^T * {float(kernel.impl.scale):g}", f"soft-cap {cap}"]
+        if getattr(kernel.impl, "alibi_slopes", None) is not None:
+            rule.append("ALiBi by key position")
+        rule += ["causal mask", f"sliding window {_window(kernel)}", "grouped-query heads expanded"]
         return (
             f"rebuilt when read, as {what}, from the queries and keys vLLM's kernel receives "
-            f"({host.path}.{host.KERNEL}.inputs): q k^T * {float(kernel.impl.scale):g}, soft-cap {cap}, "
-            f"causal mask, sliding window {_window(kernel)}, grouped-query heads expanded; the prompt's forward only"
+            f"({host.path}.{host.KERNEL}.inputs): {', '.join(rule)}; after a request's first step: {later}"
         )
 
 

@@ -10,6 +10,8 @@ from ..gpt_oss import SinkAttention
 
 
 class SinkKernelAttention(on_vllm.Attention):
+    attention_scores = SinkAttention.attention_scores
+    attention_probabilities = SinkAttention.attention_probabilities
     attention_queries = SinkAttention.attention_queries
     attention_keys = SinkAttention.attention_keys
     attention_values = SinkAttention.attention_values
