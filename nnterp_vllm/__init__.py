@@ -22,7 +22,9 @@ else:
     TypedAttributeSet.__annotations__.setdefault("save", Any)
 
 __all__ = [
+    "Ablate",
     "AsyncSteeredVLLM",
+    "Cap",
     "Capture",
     "EngineShutDown",
     "StandardizedTransformer",
@@ -46,10 +48,10 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
-    if name == "Steering":
-        from .steering import Steering
+    if name in ("Steering", "Cap", "Ablate"):
+        from . import steering
 
-        return Steering
+        return getattr(steering, name)
     if name == "sweep":
         from .sweeps import sweep
 

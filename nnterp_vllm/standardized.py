@@ -323,25 +323,88 @@ class Standardized:
         indices = arguments.layer_indices(layers, self.num_layers, "steer")
         vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
         factor = arguments.finite_number(factor, "steer")
-        where = arguments.positions(_listed(chosen), "steer")
-        batch = arguments.batch_rows(_listed(batch_index), "steer")
 
-        def add(stream: torch.Tensor) -> torch.Tensor:
-            selected = arguments.positions_within(where, stream.shape[1], "steer")
-            rows = arguments.batch_rows_within(batch, stream.shape[0], "steer")
-            if vector.dim() == 2 and vector.shape[0] not in (1, len(selected)):
+        def add(selected: torch.Tensor) -> torch.Tensor:
+            if vector.dim() == 2 and vector.shape[0] not in (1, selected.shape[1]):
                 raise ValueError(
                     f"steer: a [n, hidden_size] vector needs one row per steered position; it has "
-                    f"{vector.shape[0]} rows for {len(selected)} positions"
+                    f"{vector.shape[0]} rows for {selected.shape[1]} positions"
                 )
+            return selected + factor * vector.to(device=selected.device, dtype=selected.dtype)
+
+        self._edit_stream("steer", indices, chosen, batch_index, add)
+
+    def cap(
+        self,
+        layers: LayerSelection,
+        vector: torch.Tensor,
+        min: float | None = None,
+        max: float | None = None,
+        positions: Positions = None,
+        batch_index: int | Iterable[int] | None = None,
+    ) -> None:
+        """Clamp the residual stream's projection on the direction ``vector`` (``[hidden_size]``, normalised here)
+        to ``[min, max]`` where it leaves ``layers``, at ``positions`` (all by default) and ``batch_index`` rows (as
+        `steer` takes them): the stream ``h`` becomes ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound
+        may be left out, not both. What `nnterp_vllm.Cap` does inside the steered engine. Call inside a trace."""
+        from .steering import Cap
+
+        require_trace("cap")
+        self._apply_direction(Cap(vector, layers, min, max), positions, batch_index)
+
+    def ablate(
+        self,
+        layers: LayerSelection,
+        vector: torch.Tensor,
+        positions: Positions = None,
+        batch_index: int | Iterable[int] | None = None,
+    ) -> None:
+        """Remove the direction ``vector`` (``[hidden_size]``, normalised here) from the residual stream leaving
+        ``layers``, at ``positions`` (all by default) and ``batch_index`` rows (as `steer` takes them): the stream
+        ``h`` becomes ``h - (h . u) * u``. What `nnterp_vllm.Ablate` does inside the steered engine. Call inside a
+        trace."""
+        from .steering import Ablate
+
+        require_trace("ablate")
+        self._apply_direction(Ablate(vector, layers), positions, batch_index)
+
+    def _apply_direction(self, spec: Any, positions: Positions, batch_index: Any) -> None:
+        """A checked `Cap` (or `Ablate`) applied where it names, by `_edit_stream`."""
+        from .steering import projection_change
+
+        indices = arguments.layer_indices(spec.layers, self.num_layers, spec.what.lower())
+        direction = arguments.hidden_vector(spec.vector, self.hidden_size, spec.what.lower(), rows=False)
+
+        def clamp(selected: torch.Tensor) -> torch.Tensor:
+            unit = direction.to(device=selected.device)
+            return selected + projection_change(selected, unit, spec.min, spec.max)
+
+        self._edit_stream(spec.what.lower(), indices, positions, batch_index, clamp)
+
+    def _edit_stream(
+        self,
+        what: str,
+        indices: list[int],
+        positions: Positions,
+        batch_index: Any,
+        edit: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Replace the residual stream leaving each block of ``indices``, at ``positions`` of the ``batch_index``
+        rows, by ``edit`` of it (``[rows, positions, hidden]`` in, the same out); arguments checked first."""
+        where = arguments.positions(_listed(positions), what)
+        batch = arguments.batch_rows(_listed(batch_index), what)
+
+        def replaced(stream: torch.Tensor) -> torch.Tensor:
+            selected = arguments.positions_within(where, stream.shape[1], what)
+            rows = arguments.batch_rows_within(batch, stream.shape[0], what)
             stream = stream.clone()
             at = (torch.tensor(rows)[:, None], torch.tensor(selected))
-            stream[at] += factor * vector.to(device=stream.device, dtype=stream.dtype)
+            stream[at] = edit(stream[at])
             return stream
 
         for index in indices:
             block = self.layers[index]
-            type(block).layer_output.update(block, add)
+            type(block).layer_output.update(block, replaced)
 
     def skip_layers(
         self,

@@ -1,10 +1,12 @@
-"""`Steering`: a declarative steering spec, checked on the client, carried per request into the engine.
+"""Declarative steering specs, checked on the client, carried per request into the engine.
 
-A spec says what `Standardized.steer` says (a vector added to the residual stream leaving some
-standardized blocks, times a factor) plus *when*, so one request can carry it through a whole
-generation: ``positions="all"`` (every token, prompt and generated), ``"prompt"``, ``"generated"``
-(each generated token, when it is fed back in), or a list of prompt positions (negative counting from
-the prompt's end). A request may carry several specs; they add.
+`Steering` says what `Standardized.steer` says (a vector added to the residual stream leaving some
+standardized blocks, times a factor); `Cap` what `Standardized.cap` says (the stream's projection on a
+direction clamped to a range) and `Ablate` what `Standardized.ablate` says (that projection set to zero). Each
+says *when* too, so one request can carry it through a whole generation: ``positions="all"`` (every token,
+prompt and generated), ``"prompt"``, ``"generated"`` (each generated token, when it is fed back in), or a list of
+prompt positions (negative counting from the prompt's end). A request may carry several specs. At one block the
+added vectors come first, then each cap or ablation in the order the request lists them.
 
 The spec is checked twice, with the errors `steer` raises: what needs no model when it is made
 (types, dtype, finiteness, the position form), the rest against the engine's model and the rendered
@@ -28,6 +30,8 @@ import torch
 from . import arguments
 
 WHAT = "Steering"
+#: Caps and ablations one token may have applied at one block (the engine's direction slots per table row).
+DIRECTIONS_PER_BLOCK = 2
 #: The key of ``SamplingParams.extra_args`` under which a request's steering travels to the engine.
 EXTRA_ARGS_KEY = "nnterp_vllm_steering"
 
@@ -102,56 +106,151 @@ class Steering:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on a model of ``num_layers``
         blocks of width ``hidden_size``: sorted layer indices, the vector as float32 numbers, the factor, the
         phase or sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
-        layers = arguments.layer_indices(self.layers, num_layers, WHAT)
-        vector = arguments.hidden_vector(self.vector, hidden_size, WHAT, rows=False)
-        positions = self.positions
-        if not isinstance(positions, str):
-            positions = sorted(set(arguments.positions_within(positions, prompt_length, WHAT)))
-        return {
-            "layers": layers,
-            "vector": vector.to(device="cpu", dtype=torch.float32).tolist(),
-            "factor": self.factor,
-            "positions": positions,
-        }
+        return {**_resolved(self, num_layers, hidden_size, prompt_length), "kind": "add", "factor": self.factor}
 
 
-def specs_of(steering: Any, where: str = "steering") -> list[Steering]:
-    """One request's steering (``None``, a `Steering`, or a list of them) as a list of specs.
+@dataclass(frozen=True, eq=False)
+class Cap:
+    """Clamp the residual stream's projection on the direction ``vector`` (unit-normalised here) to
+    ``[min, max]`` where it leaves ``layers``, at ``positions``: the stream ``h`` becomes
+    ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound may be left out (``None``), not both.
+
+    Args:
+        vector: A ``[hidden_size]`` tensor or a list of floats, not zero; only its direction counts.
+        layers: A standardized block index or a list of them (negative counts from the last block).
+        min: The lowest projection kept, or ``None``.
+        max: The highest projection kept, or ``None``.
+        positions: As `Steering` takes them.
+    """
+
+    vector: torch.Tensor | Sequence[float] = field(repr=False)
+    layers: int | Sequence[int] = field(default=None)  # type: ignore[assignment]
+    min: float | None = None
+    max: float | None = None
+    positions: str | Sequence[int] = "all"
+    what = "Cap"
+
+    def __post_init__(self) -> None:
+        what = self.what
+        if self.layers is None:
+            raise ValueError(f"{what}: name the blocks whose output it acts on, e.g. {what}(vector, layers=[8, 9])")
+        object.__setattr__(self, "layers", arguments.layer_list(self.layers, what))
+        object.__setattr__(self, "vector", unit_direction(self.vector, what))
+        bounds = [
+            None if bound is None else arguments.finite_number(bound, what, name)
+            for name, bound in (("min", self.min), ("max", self.max))
+        ]
+        if bounds == [None, None]:
+            raise ValueError(f"{what}: give min, max or both: the range the projection is clamped to")
+        if None not in bounds and bounds[0] > bounds[1]:
+            raise ValueError(f"{what}: min must not exceed max, got min={bounds[0]} > max={bounds[1]}")
+        object.__setattr__(self, "min", bounds[0])
+        object.__setattr__(self, "max", bounds[1])
+        object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, what))
+
+    def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
+        """This spec in its engine form (as `Steering.resolved`): the unit direction and its bounds."""
+        entry = _resolved(self, num_layers, hidden_size, prompt_length)
+        return {**entry, "kind": "cap", "min": self.min, "max": self.max}
+
+
+class Ablate(Cap):
+    """Remove the direction ``vector`` (unit-normalised here) from the residual stream leaving ``layers``, at
+    ``positions``: the stream ``h`` becomes ``h - (h . u) * u``, its projection on ``u`` zero (a `Cap` to
+    ``[0, 0]``).
+
+    Args:
+        vector: A ``[hidden_size]`` tensor or a list of floats, not zero; only its direction counts.
+        layers: A standardized block index or a list of them (negative counts from the last block).
+        positions: As `Steering` takes them.
+    """
+
+    what = "Ablate"
+
+    def __init__(
+        self,
+        vector: torch.Tensor | Sequence[float],
+        layers: int | Sequence[int] | None = None,
+        positions: str | Sequence[int] = "all",
+    ) -> None:
+        super().__init__(vector, layers, 0.0, 0.0, positions)
+
+    def __repr__(self) -> str:
+        return f"Ablate(layers={self.layers!r}, positions={self.positions!r})"
+
+
+#: The specs a request may carry.
+SPECS = (Steering, Cap)
+
+
+def projection_change(stream: torch.Tensor, direction: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
+    """What to add to ``stream`` (``[..., hidden]``) so that its projection on the unit ``direction`` lies in
+    ``[low, high]`` (numbers, ``None`` for no bound, or tensors of the stream's leading shape): the projection's
+    excess along the direction, taken out. In the stream's dtype, computed in float32; pure tensor code."""
+    direction = direction.float()
+    projection = (stream.float() * direction).sum(-1)
+    return ((projection.clamp(low, high) - projection).unsqueeze(-1) * direction).to(stream.dtype)
+
+
+def unit_direction(vector: Any, what: str) -> torch.Tensor:
+    """``vector`` (as `arguments.one_vector` takes it) divided by its norm; a zero vector names no direction."""
+    vector = arguments.one_vector(vector, what).detach()
+    norm = vector.double().norm()
+    if not norm > 0 or not torch.isfinite(norm):
+        raise ValueError(f"{what}: the vector must have a nonzero, finite norm to name a direction, got {float(norm)}")
+    return (vector.double() / norm).to(vector.dtype)
+
+
+def _resolved(spec: Any, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
+    """What every spec's engine form holds: sorted layer indices, the vector as float32 numbers, the phase or
+    sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
+    what = getattr(spec, "what", WHAT)
+    layers = arguments.layer_indices(spec.layers, num_layers, what)
+    vector = arguments.hidden_vector(spec.vector, hidden_size, what, rows=False)
+    positions = spec.positions
+    if not isinstance(positions, str):
+        positions = sorted(set(arguments.positions_within(positions, prompt_length, what)))
+    return {"layers": layers, "vector": vector.to(device="cpu", dtype=torch.float32).tolist(), "positions": positions}
+
+
+def specs_of(steering: Any, where: str = "steering") -> list[Steering | Cap]:
+    """One request's steering (``None``, a spec, or a list of them) as a list of specs (`Steering`, `Cap`,
+    `Ablate`).
 
     A wrong type raises ``TypeError`` naming ``where`` (and the bad element's index in a list).
     """
     if steering is None:
         return []
-    if isinstance(steering, Steering):
+    if isinstance(steering, SPECS):
         return [steering]
     if isinstance(steering, (list, tuple)):
         for index, spec in enumerate(steering):
-            if not isinstance(spec, Steering):
+            if not isinstance(spec, SPECS):
                 raise TypeError(
                     f"{WHAT}: {where}[{index}] is a {type(spec).__name__}; a request's steering is None, a Steering "
-                    "or a list of Steering"
+                    "(or Cap, Ablate) or a list of them"
                 )
         return list(steering)
     raise TypeError(
-        f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering or a list of "
-        "Steering"
+        f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering (or Cap, Ablate) "
+        "or a list of them"
     )
 
 
-def per_prompt(steering: Any, count: int) -> list[list[Steering]]:
+def per_prompt(steering: Any, count: int) -> list[list[Steering | Cap]]:
     """``steering`` as given to ``generate`` for ``count`` prompts: one list of specs per prompt.
 
-    A list as long as the prompts holds one entry per prompt (``None``, a `Steering` or a list of them);
-    anything else (``None``, one `Steering`, a list of `Steering` of another length) is for every prompt.
-    A list of another length holding anything but `Steering` fits neither reading: ``TypeError`` naming both.
+    A list as long as the prompts holds one entry per prompt (``None``, a spec or a list of them);
+    anything else (``None``, one spec, a list of specs of another length) is for every prompt.
+    A list of another length holding anything but specs fits neither reading: ``TypeError`` naming both.
     """
     if isinstance(steering, (list, tuple)) and len(steering) == count:
         return [specs_of(entry, f"steering[{index}]") for index, entry in enumerate(steering)]
-    if isinstance(steering, (list, tuple)) and not all(isinstance(spec, Steering) for spec in steering):
+    if isinstance(steering, (list, tuple)) and not all(isinstance(spec, SPECS) for spec in steering):
         raise TypeError(
-            f"{WHAT}: steering is a list of {len(steering)} entries for {count} prompt(s), not all of them Steering. "
-            f"Give one entry per prompt (a list of {count}, each None, a Steering or a list of Steering), or one "
-            "Steering or a list of Steering (of any length) that steers every prompt with all of its specs"
+            f"{WHAT}: steering is a list of {len(steering)} entries for {count} prompt(s), not all of them specs. "
+            f"Give one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate) or a list of "
+            "them), or one spec or a list of specs (of any length) that steers every prompt with all of them"
         )
     return [specs_of(steering)] * count
 
@@ -167,7 +266,7 @@ def request_steering(
     """A request's steering in engine form and the cache salt keying its prefix-cache blocks; ``None`` unsteered.
 
     The engine form is ``{"prompt_tokens": n, "specs": [...], "digests": [...]}``, a digest per spec
-    (its layers, vector and factor: specs with the same digest add the same thing). The salt digests
+    (its kind, layers, vector and factor or bounds: specs with the same digest do the same thing). The salt digests
     all of it, the prompt's length included where a phase depends on it, so two requests share cached
     blocks only when every token of the shared prefix was steered alike. Steering of generated tokens
     only (`decode_only`) leaves the prompt's KV as an unsteered request computes it: no salt, so its
@@ -178,15 +277,17 @@ def request_steering(
         return None
     resolved = [spec.resolved(num_layers, hidden_size, prompt_length) for spec in specs]
     check_held(resolved, dtype)
-    digests = [_digest(entry["layers"], entry["factor"], entry["vector"]) for entry in resolved]
+    digests = [_digest(entry) for entry in resolved]
     steering = {"prompt_tokens": prompt_length, "specs": resolved, "digests": digests}
-    needed = token_sets(steering).count()
+    sets = token_sets(steering)
+    needed = sets.count()
     if needed > rows_per_request:
         raise ValueError(
             f"{WHAT}: these {len(specs)} specs act on {needed} distinct combinations of tokens (prompt, generated, "
             f"listed positions), each a row of the engine's steering table; the engine holds {rows_per_request} "
             "per request (SteeredVLLM(..., steering_rows_per_request=N) holds more)"
         )
+    check_directions(resolved, sets)
     phases = [entry["positions"] for entry in resolved]
     if decode_only(steering):
         return steering, None
@@ -217,6 +318,8 @@ def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
     added: dict[int, torch.Tensor] = {}
     adders: dict[int, list[int]] = {}
     for i, entry in enumerate(resolved):
+        if entry["kind"] != "add":
+            continue
         scaled = torch.tensor(entry["vector"], dtype=torch.float64) * entry["factor"]
         for layer in entry["layers"]:
             added[layer] = added[layer] + scaled if layer in added else scaled
@@ -234,9 +337,29 @@ def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
             )
 
 
-def _digest(layers: list[int], factor: float, vector: list[float]) -> str:
-    packed = struct.pack(f"<{len(vector)}f", *vector)
-    return hashlib.sha256(json.dumps([layers, factor]).encode() + packed).hexdigest()
+def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> None:
+    """Refuse specs in engine form that would cap or ablate more than `DIRECTIONS_PER_BLOCK` directions on one
+    token at one block (the engine's direction slots per row); ``ValueError`` naming the block and the specs."""
+    for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
+        per_layer: dict[int, list[int]] = {}
+        for i in indices:
+            if resolved[i]["kind"] == "cap":
+                for layer in resolved[i]["layers"]:
+                    per_layer.setdefault(layer, []).append(i)
+        for layer, capping in sorted(per_layer.items()):
+            if len(capping) > DIRECTIONS_PER_BLOCK:
+                raise ValueError(
+                    f"{WHAT}: specs {capping} cap or ablate {len(capping)} directions on the same tokens at layer "
+                    f"{layer}; the engine applies at most {DIRECTIONS_PER_BLOCK} per token and block: ablate their "
+                    "span in fewer directions, or spread them over blocks"
+                )
+
+
+def _digest(entry: dict[str, Any]) -> str:
+    """What a spec in engine form does, hashed: its kind, layers, factor or bounds, and vector (not its positions)."""
+    vector = entry["vector"]
+    what = [entry["kind"], entry["layers"], entry.get("factor"), entry.get("min"), entry.get("max")]
+    return hashlib.sha256(json.dumps(what).encode() + struct.pack(f"<{len(vector)}f", *vector)).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -270,11 +393,15 @@ def token_sets(steering: dict[str, Any]) -> TokenSets:
 
 
 __all__ = [
+    "DIRECTIONS_PER_BLOCK",
     "EXTRA_ARGS_KEY",
+    "Ablate",
+    "Cap",
     "HEADROOM",
     "Steering",
     "TokenSets",
     "decode_only",
+    "projection_change",
     "per_prompt",
     "request_steering",
     "specs_of",

@@ -285,6 +285,49 @@ def test_steered_generation_equals_a_hooked_generate(llama, llama_hf):
     assert torch.equal(tokens, expected)
 
 
+def projection_capped(stream: torch.Tensor, direction: torch.Tensor, low: float | None, high: float | None):
+    """``stream`` with its projection on the unit ``direction`` clamped to ``[low, high]``, written out by hand."""
+    projection = stream @ direction
+    return stream + (projection.clamp(low, high) - projection)[..., None] * direction
+
+
+def test_ablated_and_capped_generation_equals_a_hooked_generate(llama, llama_hf):
+    generator = torch.Generator().manual_seed(4)
+    ablated, capped = (torch.randn(llama.hidden_size, generator=generator) for _ in range(2))
+    capped -= (capped @ ablated) / (ablated @ ablated) * ablated  # orthogonal: capping keeps the ablation
+    with llama.generate(reference.PROMPT, max_new_tokens=4, do_sample=False) as tracer:
+        streams = nnsight.save([])
+        for _ in tracer.iter[:4]:
+            llama.ablate([0, 1], ablated * 3)  # in forward order, as every edit in a trace
+            llama.cap(1, capped, min=0.5, max=1.0)
+            streams.append(llama.layers[1].layer_output)
+            llama.ablate(2, ablated)
+        tokens = tracer.result.save()
+
+    unit, cap_unit = ablated / ablated.norm(), capped / capped.norm()
+
+    def hook(layer: int):
+        def edit(module, args, output):
+            stream = output[0] if isinstance(output, tuple) else output
+            stream = projection_capped(stream, unit, 0.0, 0.0)
+            if layer == 1:
+                stream = projection_capped(stream, cap_unit, 0.5, 1.0)
+            return (stream, *output[1:]) if isinstance(output, tuple) else stream
+
+        return edit
+
+    handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(reference.blocks(llama_hf))]
+    try:
+        expected = llama_hf.generate(**reference.encode(), max_new_tokens=4, do_sample=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(tokens, expected)
+    stream = torch.cat([step[0] for step in streams])
+    close(stream @ unit, torch.zeros(len(stream)))
+    assert ((stream @ cap_unit >= 0.5 - 1e-5) & (stream @ cap_unit <= 1.0 + 1e-5)).all()
+
+
 def test_gradients_flow_to_standardized_values(llama):
     with llama.trace(reference.PROMPT):
         hidden = llama.layers[1].layer_output
@@ -362,6 +405,33 @@ def test_steer_refuses_bad_arguments_before_the_model_runs(llama, kwargs, messag
     with llama.trace(reference.PROMPT):
         logits = llama.logits.save()
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "method, kwargs, message",
+    [
+        ("ablate", {"layers": 1, "vector": torch.zeros(128)}, "nonzero, finite norm"),
+        ("ablate", {"layers": 1, "vector": torch.ones(7)}, r"shape \[hidden_size\] = \[128\]"),
+        ("ablate", {"layers": 7, "vector": torch.ones(128)}, r"layer\(s\) \[7\] do not exist.*num_layers=3"),
+        ("ablate", {"layers": 1, "vector": torch.ones(128), "positions": ["a"]}, "positions must be"),
+        ("cap", {"layers": 1, "vector": torch.ones(128)}, "give min, max or both"),
+        ("cap", {"layers": 1, "vector": torch.ones(128), "min": 2.0, "max": 1.0}, "min must not exceed max"),
+        ("cap", {"layers": 1, "vector": torch.ones(128), "max": float("nan")}, "max must be a finite number"),
+        ("cap", {"layers": 1, "vector": torch.ones(128), "min": 0.0, "batch_index": "x"}, "batch"),
+    ],
+)
+def test_ablate_and_cap_refuse_bad_arguments_before_the_model_runs(llama, method, kwargs, message):
+    calls, handle = counting_forward(llama)
+    try:
+        with pytest.raises((ValueError, TypeError), match=message):
+            with llama.trace(reference.PROMPT):
+                getattr(llama, method)(**kwargs)
+                llama.logits.save()
+    finally:
+        handle.remove()
+    assert not calls
+    with pytest.raises(ValueError, match="ablate is only served inside a trace"):
+        llama.ablate(1, torch.ones(128))
 
 
 @pytest.mark.parametrize(

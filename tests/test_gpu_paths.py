@@ -26,7 +26,9 @@ from vllm import SamplingParams
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
 from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
+from nnterp_vllm.engines.steering_table import SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
+from nnterp_vllm.steering import DIRECTIONS_PER_BLOCK
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = ["The quick brown fox jumps", "A cup of coffee", "Rome was not built in a day, they say"]
@@ -314,7 +316,12 @@ def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path)
     element = config.model_config.dtype.itemsize
     assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
     rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
-    assert on_gpu["steering table"] == layers * rows * hidden * element + 4096 * 8
+    slots = 1 + DIRECTIONS_PER_BLOCK  # each row's added vector and directions, and the directions' float32 bounds
+    assert on_gpu["steering table"] == layers * rows * (slots * hidden * element + DIRECTIONS_PER_BLOCK * 8) + 4096 * 8
+    table = SteeringTable(  # the buffers the engine allocates are the ones sized
+        layers, rows, 4096, hidden, config.model_config.dtype, "cpu"
+    )
+    assert sum(buffer.nbytes for buffer in table.buffers()) == on_gpu["steering table"]
     check_room(on_gpu, sum(on_gpu.values()))
     with pytest.raises(ValueError, match=r"capture buffers 0\.\d\d GiB.*0\.00 GiB of the device is left.*Lower"):
         check_room(on_gpu, 1000)

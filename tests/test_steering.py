@@ -20,7 +20,16 @@ import tiny
 import torch
 from vllm import LLM, SamplingParams
 
-from nnterp_vllm import Capture, StandardizedTransformer, StandardizedVLLM, SteeredVLLM, Steering, UnsupportedFamily
+from nnterp_vllm import (
+    Ablate,
+    Cap,
+    Capture,
+    StandardizedTransformer,
+    StandardizedVLLM,
+    SteeredVLLM,
+    Steering,
+    UnsupportedFamily,
+)
 from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS, shutdown_llm
 from nnterp_vllm.harvest.selection import BLOCK_ORDER, Selection
 from nnterp_vllm.steering import per_prompt, specs_of
@@ -67,7 +76,8 @@ CAPTURES = [
 
 
 def cases(hidden_size: int) -> list[tuple[str, list[Steering] | None]]:
-    """32 prompts: 16 steered by 8 distinct vectors at several layers, factors and positions, 16 not."""
+    """32 prompts: 16 steered by 8 distinct vectors at several layers, factors and positions (added, capped,
+    ablated), 16 not."""
     generator = torch.Generator().manual_seed(7)
     vectors = [torch.randn(hidden_size, generator=generator) for _ in range(8)]
     forms = [
@@ -79,6 +89,9 @@ def cases(hidden_size: int) -> list[tuple[str, list[Steering] | None]]:
         [Steering(-2, vectors[5], factor=2.0, positions=[2])],
         [Steering(0, vectors[6]), Steering(2, vectors[7], factor=3.0, positions=[-2])],
         [Steering(1, vectors[0], positions="prompt"), Steering(1, vectors[3], factor=2.0, positions="generated")],
+        [Ablate(vectors[1], layers=[0, 1, 2])],
+        [Steering(1, vectors[2], factor=2.0), Cap(vectors[4], layers=1, min=-0.5, max=0.5), Ablate(vectors[5], 1)],
+        [Cap(vectors[6], layers=[0, 2], min=1.0, positions="generated"), Steering(2, vectors[7], positions=[1])],
     ]
     steering = [forms[i // 2 % len(forms)] if i % 2 == 0 else None for i in range(32)]
     return [(prompt_text(i), specs) for i, specs in enumerate(steering)]
@@ -101,6 +114,16 @@ def phase_positions(phase, prompt_length: int, fed: int) -> list[int]:
     if phase == "last":
         return [prompt_length - 1]
     return sorted({position % prompt_length for position in phase})
+
+
+def intervene(model, layer: int, spec, positions=None) -> None:
+    """One spec applied at one block in a trace, as the README writes each kind."""
+    if isinstance(spec, Steering):
+        model.steer(layer, spec.vector, spec.factor, positions=positions)
+    elif isinstance(spec, Ablate):
+        model.ablate(layer, spec.vector, positions=positions)
+    else:
+        model.cap(layer, spec.vector, min=spec.min, max=spec.max, positions=positions)
 
 
 def selection_named(name: str) -> Selection:
@@ -126,7 +149,7 @@ def forced_values(model, prompt_ids: list[int], generated: list[int], specs, nam
         for _, step in sorted(steps, key=lambda item: item[0]):
             if isinstance(step, int):
                 for spec, positions in steered[step]:
-                    model.steer(step, spec.vector, spec.factor, positions=positions)
+                    intervene(model, step, spec, positions)
                 continue
             host = model if step.layer is None else model.layers[step.layer]
             for part in step.key.split("."):
@@ -168,9 +191,9 @@ def greedy_generation(model, prompt: str, specs: list[Steering]) -> tuple[list[i
                 spec = specs[index]
                 phase = "prompt" if step == 0 else "generated"
                 if spec.positions in ("all", phase):
-                    model.steer(layer, spec.vector, spec.factor)
+                    intervene(model, layer, spec)
                 elif step == 0 and not isinstance(spec.positions, str):
-                    model.steer(layer, spec.vector, spec.factor, positions=spec.positions)
+                    intervene(model, layer, spec, spec.positions)
             probabilities.append(model.next_token_probs)
     rows = torch.cat([p.reshape(1, -1) for p in probabilities]).float()
     tokens = rows.argmax(-1)
@@ -328,6 +351,30 @@ class TestSteeredVLLM:
         assert preempted > 0, "the batch was meant to be preempted"
         assert max(len(output.prompt_token_ids) for output in outputs) > 64 > 16  # chunked prefill; joins
 
+    def test_ablation_and_capping_hold_at_every_position_they_name(self, family):
+        """Each kept stream leaving a block holds no ablated direction and a capped projection within its bounds,
+        on the prompt and on every generated token, in one batch beside added and plain requests."""
+        generator = torch.Generator().manual_seed(19)
+        ablated, capped, added = (torch.randn(family.hf.hidden_size, generator=generator) for _ in range(3))
+        capped -= (capped @ ablated) / (ablated @ ablated) * ablated  # orthogonal: capping keeps the ablation
+        layers = list(range(family.hf.num_layers))
+        requests = [
+            [Steering(1, added, factor=3.0), Ablate(ablated, layers), Cap(capped, layers=[0, 2], min=0.5, max=0.8)],
+            [Steering(1, added, factor=3.0)],
+            None,
+        ]
+        outputs = family.model.generate(
+            [SUBJECTS[4]] * 3, SamplingParams(**GREEDY), requests, capture=Capture("layers.*.layer_output")
+        )
+        unit, cap_unit = ablated / ablated.norm(), capped / capped.norm()
+        streams = [torch.stack([output.activations[f"layers.{i}.layer_output"] for i in layers]) for output in outputs]
+        assert streams[0].shape[1] == len(outputs[0].prompt_token_ids) + STEPS - 1
+        torch.testing.assert_close(streams[0] @ unit, torch.zeros(streams[0].shape[:2]), atol=1e-4, rtol=0)
+        projection = streams[0][[0, 2]] @ cap_unit
+        assert ((projection >= 0.5 - 1e-4) & (projection <= 0.8 + 1e-4)).all()
+        for other in streams[1:]:
+            assert (other @ unit).abs().max() > 1e-2 and ((other[[0, 2]] @ cap_unit) < 0.5).any()
+
     def test_the_steering_runs_inside_the_compiled_graph(self, family):
         model = family.model
         assert model.llm_engine.vllm_config.compilation_config.mode.name != "NONE"
@@ -433,6 +480,16 @@ class TestSteeredVLLM:
             (
                 lambda n: [Steering(1, torch.ones(n), positions=p) for p in ("prompt", "generated", [0])],
                 "act on 3 distinct combinations",
+            ),
+            (lambda n: Ablate(torch.zeros(n), layers=1), "nonzero, finite norm"),
+            (lambda n: Ablate(torch.ones(n)), r"name the blocks whose output it acts on"),
+            (lambda n: Cap(torch.ones(n), layers=1), "give min, max or both"),
+            (lambda n: Cap(torch.ones(n), layers=1, min=1.0, max=-1.0), "min must not exceed max"),
+            (lambda n: [Cap(torch.ones(7), layers=1, max=1.0)], r"Cap: the vector must have shape \[hidden_size\]"),
+            (lambda n: [Ablate(torch.ones(n), layers=[0, 5])], r"Ablate: layer\(s\) \[5\] do not exist"),
+            (
+                lambda n: [Ablate(torch.randn(n), layers=[0, 1]) for _ in range(3)],
+                r"specs \[0, 1, 2\] cap or ablate 3 directions on the same tokens at layer 0",
             ),
         ],
     )
@@ -559,7 +616,7 @@ def test_steering_for_generate_is_read_per_prompt_or_for_all():
     assert per_prompt(one, 2) == [[one], [one]]
     assert per_prompt([one, two], 3) == [[one, two]] * 3  # a list of specs for every prompt
     assert per_prompt([one, None, [one, two]], 3) == [[one], [], [one, two]]  # as long as the prompts: per prompt
-    with pytest.raises(TypeError, match="None, a Steering or a list of Steering"):
+    with pytest.raises(TypeError, match=r"None, a Steering \(or Cap, Ablate\) or a list of them"):
         per_prompt({"layers": 0}, 2)
 
 

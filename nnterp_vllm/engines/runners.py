@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..steering import DIRECTIONS_PER_BLOCK
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .steered_settings import CONFIG_KEY, WORKER_CLASSES
@@ -94,7 +95,9 @@ def buffer_sizes(
     element = torch.empty((), dtype=model_config.dtype).element_size()
     hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
     layers = model_config.hf_text_config.num_hidden_layers
-    sizes = {"steering table": layers * table_rows(vllm_config) * hidden * element + tokens * 8}
+    rows = table_rows(vllm_config)
+    slots = (1 + DIRECTIONS_PER_BLOCK) * hidden * element + DIRECTIONS_PER_BLOCK * 2 * 4  # vectors, bounds
+    sizes = {"steering table": layers * rows * slots + tokens * 8}
     if capture_names and keeps:
         copies = 1 if device.type == "cpu" else 2
         sizes["capture buffers"] = copies * len(capture_names) * tokens * hidden * element

@@ -1,8 +1,12 @@
 """The steering table of the steered engine, on its worker: one static operation at every standardized block.
 
 At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
-exactly where `Standardized.steer` adds) a forward hook adds ``table[layer][row_of_token]``: ``table`` is a
-``[layers, rows, hidden]`` buffer whose row 0 stays zero, ``row_of_token`` a ``[max_num_batched_tokens]`` index.
+exactly where `Standardized.steer` adds) a forward hook adds ``table[layer, row_of_token, 0]`` and then clamps the
+stream's projection on each direction ``table[layer, row_of_token, d]`` (d = 1 .. `DIRECTIONS_PER_BLOCK`) to
+``bounds[layer, row_of_token, d - 1]``: ``table`` is a ``[layers, rows, 1 + directions, hidden]`` buffer,
+``bounds`` ``[layers, rows, directions, 2]`` (row 0 adds nothing and clamps nothing: a zero direction's projection
+is zero, inside any bounds), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating and capping
+are the one operation: a row that only adds holds zero directions, an ablation is a cap to ``[0, 0]``.
 Both are allocated once, as the model loads (before vLLM profiles memory and compiles the model), and only ever
 written in place before each step, from the scheduled requests (their specs ride ``SamplingParams.extra_args``)
 and each token's position: the compiled graph, and the CUDA graphs captured over these very buffers on GPUs,
@@ -20,11 +24,10 @@ import numpy as np
 import torch
 
 from .. import families
-from ..components import first_tensor
 from ..components import vllm as on_vllm
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
-from ..steering import EXTRA_ARGS_KEY, TokenSets, token_sets
+from ..steering import DIRECTIONS_PER_BLOCK, EXTRA_ARGS_KEY, TokenSets, projection_change, token_sets
 from .capture import count_eager_run
 from .steered_settings import CONFIG_KEY
 
@@ -32,7 +35,9 @@ from .steered_settings import CONFIG_KEY
 
 
 class SteeringTable(torch.nn.Module):
-    """The per-step steering buffers: ``table [layers, rows, hidden]`` (row 0 zeros) and ``row_of_token``.
+    """The per-step steering buffers: ``table [layers, rows, 1 + directions, hidden]`` (each row's added vector,
+    then its directions), ``bounds [layers, rows, directions, 2]`` (row 0 adds and clamps nothing) and
+    ``row_of_token``.
 
     Registered on every steered block (non-persistent buffers: no weight file names them), so the
     compiled graph reads them as inputs at stable module paths; they are only ever written in place.
@@ -40,15 +45,55 @@ class SteeringTable(torch.nn.Module):
 
     def __init__(self, layers: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
         super().__init__()
+        slots = 1 + DIRECTIONS_PER_BLOCK
         with torch.inference_mode(False):
-            self.register_buffer("table", torch.zeros(layers, rows, hidden, dtype=dtype, device=device), False)
+            self.register_buffer("table", torch.zeros(layers, rows, slots, hidden, dtype=dtype, device=device), False)
+            self.register_buffer("bounds", unbounded(layers, rows, device), False)
             self.register_buffer("row_of_token", torch.zeros(tokens, dtype=torch.long, device=device), False)
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
 
-    def delta(self, layer: int, tokens: int) -> torch.Tensor:
-        """``[tokens, hidden]``: each token's vector at ``layer``."""
-        return self.table[layer].index_select(0, self.row_of_token[:tokens])
+    def steered(self, layer: int, stream: torch.Tensor) -> torch.Tensor:
+        """``[tokens, hidden]``: what to add to the ``stream`` leaving block ``layer`` (each token's vector, then
+        each of its directions' projection clamped to its bounds, in order); pure tensor code."""
+        rows = self.row_of_token[: stream.shape[0]]
+        slots = self.table[layer].index_select(0, rows)
+        bounds = self.bounds[layer].index_select(0, rows)
+        delta = slots[:, 0]
+        for slot in range(DIRECTIONS_PER_BLOCK):
+            delta = delta + projection_change(
+                stream + delta, slots[:, 1 + slot], bounds[:, slot, 0], bounds[:, slot, 1]
+            )
+        return delta
+
+
+def unbounded(layers: int, rows: int, device: Any = "cpu") -> torch.Tensor:
+    """``[layers, rows, directions, 2]`` bounds that clamp nothing: ``(-inf, inf)``."""
+    bounds = torch.empty(layers, rows, DIRECTIONS_PER_BLOCK, 2, dtype=torch.float32, device=device)
+    bounds[..., 0], bounds[..., 1] = -torch.inf, torch.inf
+    return bounds
+
+
+def row_content(specs: Sequence[dict[str, Any]], layers: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table row's content from the specs (engine form) it applies, in order: ``[layers, 1 + directions,
+    hidden]`` (the summed added vectors, then each cap's direction in the next free slot of its layers) and
+    ``[layers, directions, 2]`` bounds (``-inf`` / ``inf`` where a bound is left out)."""
+    content = torch.zeros(layers, 1 + DIRECTIONS_PER_BLOCK, hidden, dtype=torch.float32)
+    bounds = unbounded(layers, 1)[:, 0]
+    used = [0] * layers
+    for spec in specs:
+        vector = torch.tensor(spec["vector"], dtype=torch.float32)
+        for layer in spec["layers"]:
+            if spec["kind"] == "add":
+                content[layer, 0] += spec["factor"] * vector
+                continue
+            used[layer] += 1
+            content[layer, used[layer]] = vector
+            low, high = spec["min"], spec["max"]
+            bounds[layer, used[layer] - 1] = torch.tensor(
+                [-torch.inf if low is None else low, torch.inf if high is None else high]
+            )
+    return content, bounds
 
 
 def table_rows(vllm_config: Any) -> int:
@@ -61,8 +106,9 @@ def table_rows(vllm_config: Any) -> int:
 def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
     """Forward hook of a steered block: its output with each token's steering vector added to the stream."""
     count_eager_run(block.nnterp_steering)
-    tokens = first_tensor(output).shape[0]
-    return block.nnterp_layer_output.with_added(output, block.nnterp_steering.delta(block.nnterp_layer, tokens))
+    value = block.nnterp_layer_output
+    stream = value.pick("output", output, value.select)
+    return value.with_added(output, block.nnterp_steering.steered(block.nnterp_layer, stream))
 
 
 def steered_blocks(model: torch.nn.Module, model_type: str) -> list[tuple[torch.nn.Module, Any]]:
@@ -132,14 +178,18 @@ class Steerer:
         self.host_rows = (
             self.buffers.row_of_token if on_host else torch.zeros(tokens, dtype=torch.long, pin_memory=True)
         )
+        slots = 1 + DIRECTIONS_PER_BLOCK
         self.host_contents = (
-            None if on_host else torch.zeros(rows, len(blocks), hidden, dtype=model_config.dtype, pin_memory=True)
+            None
+            if on_host
+            else torch.zeros(rows, len(blocks), slots, hidden, dtype=model_config.dtype, pin_memory=True)
         )
+        self.host_bounds = None if on_host else unbounded(rows, len(blocks)).pin_memory()
         self.host_rows_np = self.host_rows.numpy()
         self.written = 0
         self.requests: dict[str, RequestRows | None] = {}
-        #: Row content by key (a sorted tuple of spec digests), for the keys of live requests.
-        self.contents: dict[tuple, list[tuple[list[int], float, list[float]]]] = {}
+        #: Row content by key (the digests of its specs, in the order they apply), for the keys of live requests.
+        self.contents: dict[tuple, list[dict[str, Any]]] = {}
         self.users: collections.Counter = collections.Counter()
         #: Resident rows by content key, least recently used first; free rows.
         self.row_of_key: collections.OrderedDict[tuple, int] = collections.OrderedDict()
@@ -157,14 +207,17 @@ class Steerer:
         rows = None
         if wire is not None:
             tokens = token_sets(wire)
-            specs = [(spec["layers"], spec["factor"], spec["vector"]) for spec in wire["specs"]]
+            specs, digests = wire["specs"], wire["digests"]
 
             def key(indices: tuple[int, ...]) -> tuple | None:
+                # Additions commute (named in digest order, so any order shares a row); caps apply in request order.
                 if not indices:
                     return None
-                named = tuple(sorted(wire["digests"][i] for i in indices))
+                adding = sorted((i for i in indices if specs[i]["kind"] == "add"), key=lambda i: digests[i])
+                order = adding + sorted(i for i in indices if specs[i]["kind"] != "add")
+                named = tuple(digests[i] for i in order)
                 if named not in self.contents:
-                    self.contents[named] = [specs[i] for i in sorted(indices, key=lambda i: wire["digests"][i])]
+                    self.contents[named] = [specs[i] for i in order]
                 self.users[named] += 1
                 return named
 
@@ -241,14 +294,15 @@ class Steerer:
         else:
             evicted = next(key for key in self.row_of_key if key not in needed)
             row = self.row_of_key.pop(evicted)
-        content = torch.zeros(self.num_layers, self.hidden, dtype=torch.float32)
-        for layers, factor, vector in self.contents[named]:
-            content[layers] += factor * torch.tensor(vector, dtype=torch.float32)
+        content, bounds = row_content(self.contents[named], self.num_layers, self.hidden)
         if self.host_contents is None:
             self.buffers.table[:, row].copy_(content)
+            self.buffers.bounds[:, row].copy_(bounds)
         else:
             self.host_contents[row].copy_(content)
+            self.host_bounds[row].copy_(bounds)
             self.buffers.table[:, row].copy_(self.host_contents[row], non_blocking=True)
+            self.buffers.bounds[:, row].copy_(self.host_bounds[row], non_blocking=True)
         self.row_of_key[named] = row
         self.row_writes += 1
         return row
@@ -267,4 +321,3 @@ class Steerer:
             "compilation": dataclasses.asdict(compilation_counter),
             "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
         }
-
