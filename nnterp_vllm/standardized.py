@@ -21,7 +21,7 @@ import torch
 from . import arguments, families
 from .arguments import LayerSelection, Positions
 from .components import Derived, Layers, Standard, Value, values_of
-from .components.values import require_trace
+from .components.values import require_trace, writable_value
 from .families._layouts import BLOCK_NORMS
 
 #: Family modules by name, for families handed in as module objects that no import can find.
@@ -332,7 +332,8 @@ class Standardized:
                 )
             return selected + factor * vector.to(device=selected.device, dtype=selected.dtype)
 
-        self._edit_stream("steer", indices, chosen, batch_index, add)
+        targets = [(self.layers[index], type(self.layers[index]).layer_output) for index in indices]
+        self._edit_stream("steer", targets, chosen, batch_index, add)
 
     def cap(
         self,
@@ -354,15 +355,18 @@ class Standardized:
 
     def ablate(
         self,
-        layers: LayerSelection,
+        layers: LayerSelection | str,
         vector: torch.Tensor,
         positions: Positions = None,
         batch_index: int | Iterable[int] | None = None,
     ) -> None:
-        """Remove the direction ``vector`` (``[hidden_size]``, normalised here) from the residual stream leaving
-        ``layers``, at ``positions`` (all by default) and ``batch_index`` rows (as `steer` takes them): the stream
-        ``h`` becomes ``h - (h . u) * u``. What `nnterp_vllm.Ablate` does inside the steered engine. Call inside a
-        trace."""
+        """Remove the direction ``vector`` (``[hidden_size]``, normalised here) from the residual stream, at
+        ``positions`` (all by default) and ``batch_index`` rows (as `steer` takes them): the stream ``h`` becomes
+        ``h - (h . u) * u``. ``layers="all"``: at every residual-stream location (the stream entering the first
+        block, what each block's attention and MLP add), so the stream never carries it (`nnterp_vllm.Ablate`
+        says which locations and why); else the stream leaving those blocks. What `nnterp_vllm.Ablate` does inside
+        the steered engine. Call inside a trace, before the first block it edits runs (with ``"all"``, after every
+        other edit of the invoke: it edits every block)."""
         from .steering import Ablate
 
         require_trace("ablate")
@@ -370,27 +374,34 @@ class Standardized:
 
     def _apply_direction(self, spec: Any, positions: Positions, batch_index: Any) -> None:
         """A checked `Cap` (or `Ablate`) applied where it names, by `_edit_stream`."""
-        from .steering import projection_change
+        from .steering import EVERYWHERE, EVERYWHERE_VALUES, projection_change
 
-        indices = arguments.layer_indices(spec.layers, self.num_layers, spec.what.lower())
-        direction = arguments.hidden_vector(spec.vector, self.hidden_size, spec.what.lower(), rows=False)
+        what = spec.what.lower()
+        if spec.layers == EVERYWHERE:
+            names = [name.replace("*", str(i)) for i in range(self.num_layers) for name in EVERYWHERE_VALUES]
+            targets = [writable_value(self, name, f"{what}(layers='all')") for name in dict.fromkeys(names)]
+        else:
+            indices = arguments.layer_indices(spec.layers, self.num_layers, what)
+            targets = [(self.layers[index], type(self.layers[index]).layer_output) for index in indices]
+        direction = arguments.hidden_vector(spec.vector, self.hidden_size, what, rows=False)
 
         def clamp(selected: torch.Tensor) -> torch.Tensor:
             unit = direction.to(device=selected.device)
             return selected + projection_change(selected, unit, spec.min, spec.max)
 
-        self._edit_stream(spec.what.lower(), indices, positions, batch_index, clamp)
+        self._edit_stream(what, targets, positions, batch_index, clamp)
 
     def _edit_stream(
         self,
         what: str,
-        indices: list[int],
+        targets: list[tuple[Any, Value]],
         positions: Positions,
         batch_index: Any,
         edit: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
-        """Replace the residual stream leaving each block of ``indices``, at ``positions`` of the ``batch_index``
-        rows, by ``edit`` of it (``[rows, positions, hidden]`` in, the same out); arguments checked first."""
+        """Replace each ``(host, value)`` of ``targets`` (in forward order), at ``positions`` of the
+        ``batch_index`` rows, by ``edit`` of it (``[rows, positions, hidden]`` in, the same out); arguments
+        checked first."""
         where = arguments.positions(_listed(positions), what)
         batch = arguments.batch_rows(_listed(batch_index), what)
 
@@ -402,9 +413,8 @@ class Standardized:
             stream[at] = edit(stream[at])
             return stream
 
-        for index in indices:
-            block = self.layers[index]
-            type(block).layer_output.update(block, replaced)
+        for host, value in targets:
+            value.update(host, replaced)
 
     def skip_layers(
         self,

@@ -30,6 +30,11 @@ import torch
 from . import arguments
 
 WHAT = "Steering"
+#: ``layers`` of an `Ablate` at every residual-stream location.
+EVERYWHERE = "all"
+#: The values whose every location an `Ablate` at `EVERYWHERE` clears: the stream entering the first block, and
+#: what each block's attention and MLP add to it.
+EVERYWHERE_VALUES = ("layers.0.layer_input", "layers.*.attention_output", "layers.*.mlp_output")
 #: Caps and ablations one token may have applied at one block (the engine's direction slots per table row).
 DIRECTIONS_PER_BLOCK = 2
 #: The key of ``SamplingParams.extra_args`` under which a request's steering travels to the engine.
@@ -134,7 +139,13 @@ class Cap:
         what = self.what
         if self.layers is None:
             raise ValueError(f"{what}: name the blocks whose output it acts on, e.g. {what}(vector, layers=[8, 9])")
-        object.__setattr__(self, "layers", arguments.layer_list(self.layers, what))
+        if self.layers == EVERYWHERE and what != "Ablate":
+            raise ValueError(
+                f"{what}: layers={EVERYWHERE!r} is served by Ablate only (every residual-stream location); name the "
+                f"blocks whose output it caps, e.g. {what}(vector, layers=[8, 9], max=...)"
+            )
+        if self.layers != EVERYWHERE:
+            object.__setattr__(self, "layers", arguments.layer_list(self.layers, what))
         object.__setattr__(self, "vector", unit_direction(self.vector, what))
         bounds = [
             None if bound is None else arguments.finite_number(bound, what, name)
@@ -155,13 +166,16 @@ class Cap:
 
 
 class Ablate(Cap):
-    """Remove the direction ``vector`` (unit-normalised here) from the residual stream leaving ``layers``, at
-    ``positions``: the stream ``h`` becomes ``h - (h . u) * u``, its projection on ``u`` zero (a `Cap` to
-    ``[0, 0]``).
+    """Remove the direction ``vector`` (unit-normalised here) from the residual stream, at ``positions``: the
+    stream ``h`` becomes ``h - (h . u) * u``, its projection on ``u`` zero (a `Cap` to ``[0, 0]``).
 
     Args:
         vector: A ``[hidden_size]`` tensor or a list of floats, not zero; only its direction counts.
-        layers: A standardized block index or a list of them (negative counts from the last block).
+        layers: ``"all"`` (default): every residual-stream location, so the stream never carries the direction:
+            the stream entering the first block (the embeddings, with whatever the family adds to them there)
+            and what every block's attention and MLP add to it (the stream is their sum, so every block's input,
+            its MLP's input and its output hold none of it either). Or a standardized block index or a list of
+            them: the stream leaving those blocks only, where `Steering` adds.
         positions: As `Steering` takes them.
     """
 
@@ -170,7 +184,7 @@ class Ablate(Cap):
     def __init__(
         self,
         vector: torch.Tensor | Sequence[float],
-        layers: int | Sequence[int] | None = None,
+        layers: int | Sequence[int] | str = EVERYWHERE,
         positions: str | Sequence[int] = "all",
     ) -> None:
         super().__init__(vector, layers, 0.0, 0.0, positions)
@@ -205,7 +219,7 @@ def _resolved(spec: Any, num_layers: int, hidden_size: int, prompt_length: int) 
     """What every spec's engine form holds: sorted layer indices, the vector as float32 numbers, the phase or
     sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
     what = getattr(spec, "what", WHAT)
-    layers = arguments.layer_indices(spec.layers, num_layers, what)
+    layers = EVERYWHERE if spec.layers == EVERYWHERE else arguments.layer_indices(spec.layers, num_layers, what)
     vector = arguments.hidden_vector(spec.vector, hidden_size, what, rows=False)
     positions = spec.positions
     if not isinstance(positions, str):
@@ -341,17 +355,19 @@ def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> Non
     """Refuse specs in engine form that would cap or ablate more than `DIRECTIONS_PER_BLOCK` directions on one
     token at one block (the engine's direction slots per row); ``ValueError`` naming the block and the specs."""
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
-        per_layer: dict[int, list[int]] = {}
+        per_layer: dict[Any, list[int]] = {}
         for i in indices:
             if resolved[i]["kind"] == "cap":
-                for layer in resolved[i]["layers"]:
+                layers = resolved[i]["layers"]
+                for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
-        for layer, capping in sorted(per_layer.items()):
+        for layer, capping in per_layer.items():
             if len(capping) > DIRECTIONS_PER_BLOCK:
+                where = "at every location (layers='all')" if layer == EVERYWHERE else f"at layer {layer}"
                 raise ValueError(
-                    f"{WHAT}: specs {capping} cap or ablate {len(capping)} directions on the same tokens at layer "
-                    f"{layer}; the engine applies at most {DIRECTIONS_PER_BLOCK} per token and block: ablate their "
-                    "span in fewer directions, or spread them over blocks"
+                    f"{WHAT}: specs {capping} cap or ablate {len(capping)} directions on the same tokens {where}; "
+                    f"the engine applies at most {DIRECTIONS_PER_BLOCK} per token there: ablate their span in fewer "
+                    "directions, or spread them over blocks"
                 )
 
 
@@ -394,6 +410,8 @@ def token_sets(steering: dict[str, Any]) -> TokenSets:
 
 __all__ = [
     "DIRECTIONS_PER_BLOCK",
+    "EVERYWHERE",
+    "EVERYWHERE_VALUES",
     "EXTRA_ARGS_KEY",
     "Ablate",
     "Cap",

@@ -411,6 +411,7 @@ def test_steer_refuses_bad_arguments_before_the_model_runs(llama, kwargs, messag
     "method, kwargs, message",
     [
         ("ablate", {"layers": 1, "vector": torch.zeros(128)}, "nonzero, finite norm"),
+        ("ablate", {"layers": "every", "vector": torch.ones(128)}, "layers must be an int"),
         ("ablate", {"layers": 1, "vector": torch.ones(7)}, r"shape \[hidden_size\] = \[128\]"),
         ("ablate", {"layers": 7, "vector": torch.ones(128)}, r"layer\(s\) \[7\] do not exist.*num_layers=3"),
         ("ablate", {"layers": 1, "vector": torch.ones(128), "positions": ["a"]}, "positions must be"),
@@ -432,6 +433,19 @@ def test_ablate_and_cap_refuse_bad_arguments_before_the_model_runs(llama, method
     assert not calls
     with pytest.raises(ValueError, match="ablate is only served inside a trace"):
         llama.ablate(1, torch.ones(128))
+
+
+def test_ablating_everywhere_where_a_location_cannot_be_written_is_refused_before_the_model_runs():
+    model = StandardizedTransformer(tiny.checkpoint("mamba"))
+    calls, handle = counting_forward(model)
+    try:
+        with pytest.raises(UnavailableValue, match=r"ablate\(layers='all'\) writes layers.0.attention_output"):
+            with model.trace(reference.PROMPT):
+                model.ablate("all", torch.ones(model.hidden_size))
+                model.logits.save()
+    finally:
+        handle.remove()
+    assert not calls
 
 
 @pytest.mark.parametrize(

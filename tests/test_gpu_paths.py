@@ -317,9 +317,10 @@ def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path)
     assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
     rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
     slots = 1 + DIRECTIONS_PER_BLOCK  # each row's added vector and directions, and the directions' float32 bounds
-    assert on_gpu["steering table"] == layers * rows * (slots * hidden * element + DIRECTIONS_PER_BLOCK * 8) + 4096 * 8
+    entries = layers + 1  # each block's and the directions ablated everywhere
+    assert on_gpu["steering table"] == entries * rows * (slots * hidden * element + DIRECTIONS_PER_BLOCK * 8) + 4096 * 8
     table = SteeringTable(  # the buffers the engine allocates are the ones sized
-        layers, rows, 4096, hidden, config.model_config.dtype, "cpu"
+        entries, rows, 4096, hidden, config.model_config.dtype, "cpu"
     )
     assert sum(buffer.nbytes for buffer in table.buffers()) == on_gpu["steering table"]
     check_room(on_gpu, sum(on_gpu.values()))

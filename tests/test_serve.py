@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 
-from nnterp_vllm import Capture, SteeredVLLM, Steering
+from nnterp_vllm import Ablate, Cap, Capture, SteeredVLLM, Steering
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -77,18 +77,23 @@ def vectors(hidden_size: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(hidden_size, generator=generator) * 4 for name in ("inline", "preloaded", "posted")}
 
 
-def as_json(specs: list[Steering], names: dict[int, str] | None = None) -> list[dict]:
+def as_json(specs: list, names: dict[int, str] | None = None) -> list[dict]:
     """Specs as a request's ``steering`` field; ``names`` sends spec ``i``'s vector by its registered name."""
     names = names or {}
-    return [
-        {
-            "layers": spec.layers,
-            "vector": names.get(i) or spec.vector.tolist(),
-            "factor": spec.factor,
-            "positions": spec.positions,
-        }
-        for i, spec in enumerate(specs)
-    ]
+    fields = []
+    for i, spec in enumerate(specs):
+        field = {"layers": spec.layers, "vector": names.get(i) or spec.vector.tolist(), "positions": spec.positions}
+        if isinstance(spec, Steering):
+            field["factor"] = spec.factor
+        elif isinstance(spec, Ablate):
+            field["kind"] = "ablate"
+        else:
+            field.update(
+                kind="cap",
+                **{bound: getattr(spec, bound) for bound in ("min", "max") if getattr(spec, bound) is not None},
+            )
+        fields.append(field)
+    return fields
 
 
 def concurrent_cases(found: dict[str, torch.Tensor]) -> list[tuple[str, list[Steering], dict[int, str]]]:
@@ -223,6 +228,14 @@ def served(tmp_path_factory):
             PROMPT,
             [Steering(layer, vector, factor=-1.0, positions="generated") for layer, vector in per_layer.items()],
         ),
+        "directions": (
+            PROMPT,
+            [
+                Steering(1, found["inline"], factor=2.0),
+                Ablate(found["preloaded"]),
+                Cap(found["posted"], layers=1, max=-0.5, positions="generated"),
+            ],
+        ),
     }
     concurrent = concurrent_cases(found)
     try:
@@ -257,6 +270,7 @@ def served(tmp_path_factory):
             vectors=found,
             steered=steered,
             chat_ids=chat_ids,
+            single=single,
             expected=dict(zip(single, tokens)),
             per_layer=per_layer,
             kept={"plain": kept[0].activations, "chat steered": kept[1].activations},
@@ -304,6 +318,17 @@ def test_chat_completions_steered_and_not_equal_the_steered_engine(served, strea
     assert (tokens, prompt) == (served.expected["chat"], served.chat_ids)
     tokens, _ = chat_tokens(served, as_json(served.steered), stream)
     assert tokens == served.expected["chat steered"] != served.expected["chat"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_ablate_and_cap_entries_equal_the_steered_engine(served, stream):
+    """A request adding, ablating a registered vector (by name) and capping an inline one answers as
+    `SteeredVLLM.generate` with `Steering`, `Ablate` and `Cap` does."""
+    _, specs = served.single["directions"]
+    steering = as_json(specs, {1: "preloaded"})
+    assert [field.get("kind", "add") for field in steering] == ["add", "ablate", "cap"]
+    assert completion_tokens(served, steering, stream) == served.expected["directions"]
+    assert served.expected["directions"] != served.expected["plain"]
 
 
 def test_models_health_and_usage_are_vllms(served):
@@ -361,6 +386,17 @@ BAD_STEERING = [
     ([spec(factor="x")], "steering[0].factor", "factor must be a finite number"),
     ([spec(factor=float("inf"))], "steering[0].factor", "factor must be a finite number"),
     ([spec(scale=2.0)], "steering[0].scale", "unknown field 'scale'"),
+    ([spec(kind="clamp")], "steering[0].kind", "kind must be one of 'add', 'ablate', 'cap', got 'clamp'"),
+    ([spec(kind="ablate", factor=2.0)], "steering[0].factor", "'ablate' specs have no field 'factor'"),
+    ([spec(kind="cap", factor=2.0, max=1.0)], "steering[0].factor", "'cap' specs have no field 'factor'"),
+    ([spec(min=1.0)], "steering[0].min", "'add' specs have no field 'min'"),
+    ([spec(kind="cap")], "steering[0]", "clamps the projection to 'min', 'max' or both"),
+    ([spec(kind="cap", min=1.0, max=0.0)], "steering[0].min", "min must not exceed max"),
+    ([spec(kind="cap", max="x")], "steering[0].max", "max must be a finite number"),
+    ([spec(kind="ablate", vector=[0.0] * HIDDEN)], "steering[0].vector", "nonzero, finite norm"),
+    ([spec(layers="all")], "steering[0].layers", "layers must be an int"),
+    ([spec(kind="ablate", layers="all", vector="control")], "steering[0].layers", "is a vector per layer"),
+    ([spec(kind="ablate", vector=[0.5 + i] * HIDDEN) for i in range(3)], "steering", "cap or ablate 3 directions"),
     ([{"layers": 1}], "steering[0].vector", "'vector' is required"),
     (["layer 1"], "steering[0]", "a steering spec is an object"),
     (spec(), "steering", "steering must be a list of specs"),

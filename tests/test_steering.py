@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import nnsight
 import pytest
+import reference
 import tiny
 import torch
 from vllm import LLM, SamplingParams
@@ -218,6 +219,38 @@ def teacher_forced(model, prompt_ids: list[int], generated: list[int], add: torc
     return predicting.gather(1, torch.tensor(generated)[:, None])[:, 0], stream[0]
 
 
+def hooked_ablation(path, prompt_ids: list[int], unit: torch.Tensor) -> list[int]:
+    """Greedy tokens of transformers' own model with ``unit`` taken out of the first block's input and of every
+    attention's and MLP's output by forward hooks (no project code)."""
+    model = reference.load(path)
+
+    def removed(stream: torch.Tensor) -> torch.Tensor:
+        return stream - (stream @ unit)[..., None] * unit
+
+    def first_input(module, args, kwargs):
+        if args:
+            return (removed(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": removed(kwargs["hidden_states"])}
+
+    def output(module, args, out):
+        return (removed(out[0]), *out[1:]) if isinstance(out, tuple) else removed(out)
+
+    blocks = reference.blocks(model)
+    handles = [blocks[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+    for block in blocks:
+        attention = getattr(block, "self_attn", None) or block.attn
+        handles += [attention.register_forward_hook(output), block.mlp.register_forward_hook(output)]
+    try:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return generated[0, len(prompt_ids) :].tolist()
+
+
 def metric(model: LLM, name: str) -> float:
     return sum(m.value for m in model.get_metrics() if m.name == name)
 
@@ -331,8 +364,8 @@ class TestSteeredVLLM:
             assert list(output.activations) == names
             on_hf = forced_values(family.hf, output.prompt_token_ids, generated, batch[i][1], names)
             tolerance = KEPT_TOLERANCE[capture.dtype or torch.float32]
-            for reference in (family.kept_on_nnsight[i], on_hf):
-                expected = kept_rows(capture, reference, prompt_length, fed)
+            for read in (family.kept_on_nnsight[i], on_hf):
+                expected = kept_rows(capture, read, prompt_length, fed)
                 for name in names:
                     torch.testing.assert_close(output.activations[name], expected[name], **tolerance, msg=name)
         for i, ((prompt, specs), output) in enumerate(zip(batch, outputs)):
@@ -374,6 +407,49 @@ class TestSteeredVLLM:
         assert ((projection >= 0.5 - 1e-4) & (projection <= 0.8 + 1e-4)).all()
         for other in streams[1:]:
             assert (other @ unit).abs().max() > 1e-2 and ((other[[0, 2]] @ cap_unit) < 0.5).any()
+
+    def test_ablation_everywhere_equals_hooks_at_every_contribution(self, family):
+        """``Ablate(vector)`` (every residual-stream location) beside added and plain requests: no kept stream
+        value carries the direction, and the tokens are those of transformers' own model with the direction
+        taken out of the first block's input and of every attention's and MLP's output by forward hooks, and
+        those of ``model.ablate("all", ...)`` in a trace on transformers."""
+        generator = torch.Generator().manual_seed(29)
+        direction, added = (torch.randn(family.hf.hidden_size, generator=generator) * 3 for _ in range(2))
+        unit = direction / direction.norm()
+        prompt = SUBJECTS[3]
+        streams = ["layers.*.layer_input", "layers.*.attention_output", "layers.*.mlp_output", "layers.*.layer_output"]
+        outputs = family.model.generate(
+            [prompt] * 3,
+            SamplingParams(**GREEDY),
+            [Ablate(direction), Steering(1, added), None],
+            capture=[Capture(streams), None, None],
+        )
+        assert len(outputs[0].activations) == 4 * family.hf.num_layers
+        for name, rows in outputs[0].activations.items():
+            torch.testing.assert_close(rows @ unit, torch.zeros(len(rows)), atol=1e-4, rtol=0, msg=name)
+        tokens, _ = tokens_and_logprobs(outputs[0])
+        prompt_ids = list(outputs[0].prompt_token_ids)
+        assert tokens == hooked_ablation(family.path, prompt_ids, unit)
+        with family.hf.generate(prompt_ids, max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS) as tracer:
+            for _ in tracer.iter[:STEPS]:
+                family.hf.ablate("all", direction)
+            result = tracer.result.save()
+        assert result[0, len(prompt_ids) :].tolist() == tokens
+        plain_tokens, _ = tokens_and_logprobs(outputs[2])
+        kept = family.model.generate([prompt], SamplingParams(**GREEDY), None, capture=Capture(streams))[0]
+        assert max((rows @ unit).abs().max() for rows in kept.activations.values()) > 1e-2  # the plain stream has it
+        assert tokens_and_logprobs(kept)[0] == plain_tokens
+
+    def test_ablation_everywhere_on_a_model_that_cannot_write_a_location_is_refused_before_the_engine(self, family):
+        model = family.model
+        requests = model.request_counter.counter
+        model.ablate_everywhere_reason = "this family cannot write layers.0.mlp_output: it is read-only there"
+        try:
+            with pytest.raises(ValueError, match=r"Ablate: layers='all' .* is not served on this model: this family"):
+                model.generate(SUBJECTS[0], SamplingParams(**GREEDY), Ablate(torch.ones(family.hf.hidden_size)))
+        finally:
+            model.ablate_everywhere_reason = None
+        assert model.request_counter.counter == requests
 
     def test_the_steering_runs_inside_the_compiled_graph(self, family):
         model = family.model
@@ -482,7 +558,7 @@ class TestSteeredVLLM:
                 "act on 3 distinct combinations",
             ),
             (lambda n: Ablate(torch.zeros(n), layers=1), "nonzero, finite norm"),
-            (lambda n: Ablate(torch.ones(n)), r"name the blocks whose output it acts on"),
+            (lambda n: Cap(torch.ones(n), layers="all", max=1.0), r"layers='all' is served by Ablate only"),
             (lambda n: Cap(torch.ones(n), layers=1), "give min, max or both"),
             (lambda n: Cap(torch.ones(n), layers=1, min=1.0, max=-1.0), "min must not exceed max"),
             (lambda n: [Cap(torch.ones(7), layers=1, max=1.0)], r"Cap: the vector must have shape \[hidden_size\]"),

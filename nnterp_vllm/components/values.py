@@ -43,12 +43,16 @@ class Located:
     ``module`` is the path of a module from the root module (``""`` for the root itself), ``attribute`` the
     hook point there: ``"output"`` (what the module returns), ``"input"`` or ``"inputs"`` (its call's
     ``(args, kwargs)``); ``flat`` is pure tensor code from what a hook at that point sees to the value as
-    ``[tokens, ...]``, so it can run inside a compiled graph.
+    ``[tokens, ...]``, so it can run inside a compiled graph. ``part`` reads the value's part as the module holds
+    it (unscaled, with any batch axis it has) and ``replaced`` gives back what the hook sees with that part
+    replaced, for a writable value (``None`` where the value is read-only).
     """
 
     module: str
     attribute: str
     flat: Callable[[Any], torch.Tensor]
+    part: Callable[[Any], torch.Tensor] | None = None
+    replaced: Callable[[Any, torch.Tensor], Any] | None = None
 
 
 def first_tensor(value: Any) -> Any:
@@ -156,7 +160,14 @@ class Value(eproperty):
         module, root = location.rsplit(".", 1)[0], host.root.path
         module = "" if module == root else module.removeprefix(f"{root}.")
         select = self.selection(host)
-        return Located(module, attribute, lambda raw: flat(self.pick(attribute, raw, select)))
+
+        def part(raw: Any) -> torch.Tensor:
+            return self.pick(attribute, raw, select)
+
+        def replaced(raw: Any, value: torch.Tensor) -> Any:
+            return self.put(attribute, raw, value, select)
+
+        return Located(module, attribute, lambda raw: flat(part(raw)), part, replaced if self.writable else None)
 
     def flat_part(self, host: Envoy) -> Callable[[Any], torch.Tensor] | str:
         """How the selected part of the served value becomes this value as ``[tokens, ...]`` without nnsight
@@ -361,6 +372,26 @@ class Delegate(Value):
     def __set__(self, host: Envoy, value: Any) -> None:
         self.check(host)
         setattr(self.host_of(host), self.target, value)
+
+
+def writable_value(root: Envoy, name: str, what: str) -> tuple[Envoy, Value]:
+    """The envoy and descriptor that hold the value ``name`` (``"layers.0.layer_input"``,
+    ``"layers.3.attention_output"``) of a standardized model ``root``, a `Delegate` followed to its target;
+    `UnavailableValue` naming ``what`` needed it, where the value is unavailable or read-only there."""
+    *path, attribute = name.split(".")
+    host = root
+    for part in path:
+        host = host[int(part)] if part.isdigit() else getattr(host, part)
+    value = getattr(type(host), attribute, None)
+    while isinstance(value, Delegate) and not value.reason(host):
+        host = value.host_of(host)
+        value = getattr(type(host), value.target)
+    reason = f"it has no {attribute}" if not isinstance(value, Value) else value.reason(host)
+    if not reason and not value.writable:
+        reason = "it is read-only on this family (derived from other values)"
+    if reason:
+        raise UnavailableValue(f"{what} writes {name}, and this model cannot: {reason}")
+    return host, value
 
 
 def values_of(cls: type) -> dict[str, Value]:

@@ -94,7 +94,7 @@ def buffer_sizes(
     model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
     element = torch.empty((), dtype=model_config.dtype).element_size()
     hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
-    layers = model_config.hf_text_config.num_hidden_layers
+    layers = model_config.hf_text_config.num_hidden_layers + 1  # and the directions ablated everywhere
     rows = table_rows(vllm_config)
     slots = (1 + DIRECTIONS_PER_BLOCK) * hidden * element + DIRECTIONS_PER_BLOCK * 2 * 4  # vectors, bounds
     sizes = {"steering table": layers * rows * slots + tokens * 8}
@@ -151,7 +151,8 @@ def _define_worker_classes() -> None:
 
     def capture_places(self: Any) -> dict[str, Any]:
         capturer = self.model_runner._capturer
-        return {"reasons": capturer.reasons, "places": capturer.places}
+        everywhere = self.model_runner._steerer.everywhere_reason
+        return {"reasons": capturer.reasons, "places": capturer.places, "ablate_everywhere": everywhere}
 
     def take_captured(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
         return self.model_runner._capturer.take(keys, packed)

@@ -22,7 +22,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
-from ..steering import EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, specs_of
+from ..steering import EVERYWHERE, EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, specs_of
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
@@ -36,6 +36,8 @@ class SteeringClient:
     request; the kept rows taken back from the engine."""
 
     vllm_config: Any
+    #: Why an `Ablate` at every residual-stream location is not served on this engine's model, or ``None``.
+    ablate_everywhere_reason: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -73,6 +75,12 @@ class SteeringClient:
         prefix cache reads none of it. With neither, prompt and params come back as they are.
         """
         length = _prompt_length(engine_input)
+        everywhere = next((spec for spec in specs if spec.layers == EVERYWHERE), None)
+        if everywhere is not None and self.ablate_everywhere_reason is not None:
+            raise ValueError(
+                f"{everywhere.what}: layers={EVERYWHERE!r} (every residual-stream location) is not served on this "
+                f"model: {self.ablate_everywhere_reason}; name the blocks whose output it acts on instead"
+            )
         made = request_steering(
             specs,
             self.num_layers,
@@ -112,6 +120,7 @@ class SteeringClient:
             reasons = "; ".join(f"{name}: {reason}" for name, reason in places["reasons"].items())
             raise ValueError(f"capture_values: this model's family cannot keep {reasons}")
         self.capture_places = places["places"]
+        self.ablate_everywhere_reason = places["ablate_everywhere"]
 
 
 def merged(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -3,14 +3,16 @@
 At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
 exactly where `Standardized.steer` adds) a forward hook adds ``table[layer, row_of_token, 0]`` and then clamps the
 stream's projection on each direction ``table[layer, row_of_token, d]`` (d = 1 .. `DIRECTIONS_PER_BLOCK`) to
-``bounds[layer, row_of_token, d - 1]``: ``table`` is a ``[layers, rows, 1 + directions, hidden]`` buffer,
-``bounds`` ``[layers, rows, directions, 2]`` (row 0 adds nothing and clamps nothing: a zero direction's projection
-is zero, inside any bounds), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating and capping
-are the one operation: a row that only adds holds zero directions, an ablation is a cap to ``[0, 0]``.
-Both are allocated once, as the model loads (before vLLM profiles memory and compiles the model), and only ever
-written in place before each step, from the scheduled requests (their specs ride ``SamplingParams.extra_args``)
-and each token's position: the compiled graph, and the CUDA graphs captured over these very buffers on GPUs,
-serve every step and any mix of requests.
+``bounds[layer, row_of_token, d - 1]``: ``table`` is a ``[layers + 1, rows, 1 + directions, hidden]`` buffer,
+``bounds`` ``[layers + 1, rows, directions, 2]`` (row 0 adds nothing and clamps nothing: a zero direction's
+projection is zero, inside any bounds), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating
+and capping are the one operation: a row that only adds holds zero directions, an ablation is a cap to ``[0, 0]``.
+The last entry (``layers``) holds the directions ablated at every residual-stream location
+(`steering.EVERYWHERE_VALUES`: the stream entering the first block, each attention's and MLP's output), where the
+same operation runs from hooks of their own. The buffers are allocated once, as the model loads (before vLLM
+profiles memory and compiles the model), and only ever written in place before each step, from the scheduled
+requests (their specs ride ``SamplingParams.extra_args``) and each token's position: the compiled graph, and the
+CUDA graphs captured over these very buffers on GPUs, serve every step and any mix of requests.
 """
 
 from __future__ import annotations
@@ -25,10 +27,19 @@ import torch
 
 from .. import families
 from ..components import vllm as on_vllm
+from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
-from ..steering import DIRECTIONS_PER_BLOCK, EXTRA_ARGS_KEY, TokenSets, projection_change, token_sets
-from .capture import count_eager_run
+from ..steering import (
+    DIRECTIONS_PER_BLOCK,
+    EVERYWHERE,
+    EVERYWHERE_VALUES,
+    EXTRA_ARGS_KEY,
+    TokenSets,
+    projection_change,
+    token_sets,
+)
+from .capture import count_eager_run, locate
 from .steered_settings import CONFIG_KEY
 
 # -- worker side --------------------------------------------------------------------------------------
@@ -53,10 +64,16 @@ class SteeringTable(torch.nn.Module):
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
 
+    @property
+    def everywhere(self) -> int:
+        """The table's entry of the directions ablated at every residual-stream location."""
+        return self.table.shape[0] - 1
+
     def steered(self, layer: int, stream: torch.Tensor) -> torch.Tensor:
-        """``[tokens, hidden]``: what to add to the ``stream`` leaving block ``layer`` (each token's vector, then
-        each of its directions' projection clamped to its bounds, in order); pure tensor code."""
-        rows = self.row_of_token[: stream.shape[0]]
+        """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at table entry ``layer``
+        (each token's vector, then each of its directions' projection clamped to its bounds, in order); pure
+        tensor code."""
+        rows = self.row_of_token[: stream.shape[-2]]
         slots = self.table[layer].index_select(0, rows)
         bounds = self.bounds[layer].index_select(0, rows)
         delta = slots[:, 0]
@@ -74,16 +91,17 @@ def unbounded(layers: int, rows: int, device: Any = "cpu") -> torch.Tensor:
     return bounds
 
 
-def row_content(specs: Sequence[dict[str, Any]], layers: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One table row's content from the specs (engine form) it applies, in order: ``[layers, 1 + directions,
-    hidden]`` (the summed added vectors, then each cap's direction in the next free slot of its layers) and
-    ``[layers, directions, 2]`` bounds (``-inf`` / ``inf`` where a bound is left out)."""
-    content = torch.zeros(layers, 1 + DIRECTIONS_PER_BLOCK, hidden, dtype=torch.float32)
-    bounds = unbounded(layers, 1)[:, 0]
-    used = [0] * layers
+def row_content(specs: Sequence[dict[str, Any]], entries: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table row's content from the specs (engine form) it applies, in order: ``[entries, 1 + directions,
+    hidden]`` (the summed added vectors, then each cap's direction in the next free slot of its layers; the last
+    entry for the directions ablated everywhere) and ``[entries, directions, 2]`` bounds (``-inf`` / ``inf``
+    where a bound is left out)."""
+    content = torch.zeros(entries, 1 + DIRECTIONS_PER_BLOCK, hidden, dtype=torch.float32)
+    bounds = unbounded(entries, 1)[:, 0]
+    used = [0] * entries
     for spec in specs:
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
-        for layer in spec["layers"]:
+        for layer in [entries - 1] if spec["layers"] == EVERYWHERE else spec["layers"]:
             if spec["kind"] == "add":
                 content[layer, 0] += spec["factor"] * vector
                 continue
@@ -101,6 +119,26 @@ def table_rows(vllm_config: Any) -> int:
     scheduler = vllm_config.scheduler_config
     per_request = vllm_config.additional_config[CONFIG_KEY]["rows_per_request"]
     return 1 + min(scheduler.max_num_batched_tokens, per_request * scheduler.max_num_seqs)
+
+
+def ablate_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook where a value `steering.EVERYWHERE_VALUES` names is a module's output: its directions
+    ablated everywhere taken out."""
+    return _ablated_everywhere(module, module.nnterp_everywhere_outputs, output)
+
+
+def ablate_at_input(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    """Forward pre-hook (with kwargs) where such a value is a module's input."""
+    return _ablated_everywhere(module, module.nnterp_everywhere_inputs, (args, kwargs))
+
+
+def _ablated_everywhere(module: torch.nn.Module, places: Sequence[Located], raw: Any) -> Any:
+    steering = module.nnterp_steering
+    count_eager_run(steering)
+    for place in places:
+        part = place.part(raw)
+        raw = place.replaced(raw, part + steering.steered(steering.everywhere, part))
+    return raw
 
 
 def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -162,13 +200,15 @@ class Steerer:
         hidden = model_config.get_hidden_size()
         tokens = scheduler.max_num_batched_tokens
         rows = table_rows(vllm_config)
-        self.buffers = SteeringTable(len(blocks), rows, tokens, hidden, model_config.dtype, device)
+        self.buffers = SteeringTable(len(blocks) + 1, rows, tokens, hidden, model_config.dtype, device)
         for index, (block, value) in enumerate(blocks):
             block.nnterp_steering = self.buffers
             block.nnterp_layer = index
             block.nnterp_layer_output = value
             block.register_forward_hook(steer_block)
         self.num_layers, self.hidden = len(blocks), hidden
+        #: Why an `Ablate` at every residual-stream location cannot be served on this model, or ``None``.
+        self.everywhere_reason = self._hook_everywhere(model, Standardized._model_type(model_config.hf_config))
         # On an accelerator the token rows and each new row's content are written into pinned host memory and
         # copied over without blocking, on the compute stream, before the step's forward. `fill` runs inside vLLM's
         # input preparation, which (under async scheduling) waits for the previous step's copies to have left
@@ -179,12 +219,11 @@ class Steerer:
             self.buffers.row_of_token if on_host else torch.zeros(tokens, dtype=torch.long, pin_memory=True)
         )
         slots = 1 + DIRECTIONS_PER_BLOCK
+        entries = len(blocks) + 1
         self.host_contents = (
-            None
-            if on_host
-            else torch.zeros(rows, len(blocks), slots, hidden, dtype=model_config.dtype, pin_memory=True)
+            None if on_host else torch.zeros(rows, entries, slots, hidden, dtype=model_config.dtype, pin_memory=True)
         )
-        self.host_bounds = None if on_host else unbounded(rows, len(blocks)).pin_memory()
+        self.host_bounds = None if on_host else unbounded(rows, entries).pin_memory()
         self.host_rows_np = self.host_rows.numpy()
         self.written = 0
         self.requests: dict[str, RequestRows | None] = {}
@@ -195,6 +234,28 @@ class Steerer:
         self.row_of_key: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self.free_rows = list(range(rows - 1, 0, -1))
         self.row_writes = 0
+
+    def _hook_everywhere(self, model: torch.nn.Module, model_type: str) -> str | None:
+        """Hook every location of `steering.EVERYWHERE_VALUES` (located through the family, as capture locates
+        values); where one cannot be written, hook none and say why."""
+        names = [name.replace("*", str(i)) for name in EVERYWHERE_VALUES for i in range(self.num_layers)]
+        found = locate(model, model_type, list(dict.fromkeys(names)))
+        for name, place in found.items():
+            if isinstance(place, str) or place.replaced is None:
+                why = place if isinstance(place, str) else "it is read-only there"
+                return f"this family cannot write {name}: {why}"
+        for place in found.values():
+            module = model.get_submodule(place.module)
+            module.nnterp_steering = self.buffers
+            kind = "outputs" if place.attribute == "output" else "inputs"
+            if not hasattr(module, f"nnterp_everywhere_{kind}"):
+                setattr(module, f"nnterp_everywhere_{kind}", [])
+                if kind == "outputs":
+                    module.register_forward_hook(ablate_at_output)
+                else:
+                    module.register_forward_pre_hook(ablate_at_input, with_kwargs=True)
+            getattr(module, f"nnterp_everywhere_{kind}").append(place)
+        return None
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -294,7 +355,7 @@ class Steerer:
         else:
             evicted = next(key for key in self.row_of_key if key not in needed)
             row = self.row_of_key.pop(evicted)
-        content, bounds = row_content(self.contents[named], self.num_layers, self.hidden)
+        content, bounds = row_content(self.contents[named], self.num_layers + 1, self.hidden)
         if self.host_contents is None:
             self.buffers.table[:, row].copy_(content)
             self.buffers.bounds[:, row].copy_(bounds)

@@ -31,10 +31,11 @@ DRAIN_SECONDS = 30
 
 DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
 /v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
-may carry `steering`: a list of specs {"layers": int | [int],
-"vector": [float, ...] | "<registered name>", "factor": float, "positions": "all" | "prompt" | "generated"
-| [int, ...]}. Vectors are registered at /v1/steering/vectors (POST, GET, DELETE) or preloaded with
---steering-vectors. MODEL is a checkpoint directory, a hub id, or 'smollm2' (the embedded default)."""
+may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers": int | [int],
+"vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
+"positions": "all" | "prompt" | "generated" | [int, ...]}. Vectors are registered at /v1/steering/vectors
+(POST, GET, DELETE) or preloaded with --steering-vectors. MODEL is a checkpoint directory, a hub id, or
+'smollm2' (the embedded default)."""
 
 
 def parser() -> Any:

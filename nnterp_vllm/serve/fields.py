@@ -19,13 +19,15 @@ import torch
 
 from .. import arguments
 from ..capture import Capture
-from ..steering import Steering
+from ..steering import EVERYWHERE, Ablate, Cap, Steering, unit_direction
 from .errors import InvalidField, naming
 from .intake import decode_json, hand_over
 from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
-SPEC_FIELDS = ("layers", "vector", "factor", "positions")
+SPEC_FIELDS = ("kind", "layers", "vector", "factor", "min", "max", "positions")
+#: Each kind of spec (`Steering`, `Ablate`, `Cap`) and the fields of its own it takes.
+KINDS = {"add": ("factor",), "ablate": (), "cap": ("min", "max")}
 #: What a registered vector's name may be (it is also a URL path segment).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
@@ -35,8 +37,9 @@ SPECS_PER_LAYER = 4
 
 def read_steering(steering: Any, num_layers: int, hidden_size: int, max_specs: int) -> list[dict[str, Any]]:
     """A request's ``steering`` field (``None``, or a list of at most ``max_specs`` spec objects), checked
-    against the model's sizes: each spec as ``{"layers", "vector", "factor", "positions"}`` with its vector a
-    float32 tensor, or the registered name it gives (put in by `with_vectors`). Raises `InvalidField`."""
+    against the model's sizes: each spec as ``{"kind", "layers", "vector", "positions"}`` and its kind's own
+    fields (`KINDS`: an ``"add"``'s ``factor``, a ``"cap"``'s ``min`` and ``max``), its vector a float32 tensor,
+    or the registered name it gives (put in by `with_vectors`). Raises `InvalidField`."""
     if steering is None:
         return []
     if not isinstance(steering, list):
@@ -61,8 +64,8 @@ def read_steering(steering: Any, num_layers: int, hidden_size: int, max_specs: i
 def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise InvalidField(
-            f"{where}: a steering spec is an object with 'layers', 'vector' and optionally 'factor' and "
-            f"'positions', got {type(spec).__name__}",
+            f"{where}: a steering spec is an object with 'layers', 'vector' and optionally 'kind' ('add', 'ablate' "
+            f"or 'cap'), 'factor' (add), 'min' and 'max' (cap) and 'positions', got {type(spec).__name__}",
             where,
         )
     for name in spec:
@@ -77,19 +80,69 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
             f"{where}: the field 'layers' is required (only a registered vector made per layer, named, brings its own)",
             f"{where}.layers",
         )
-    read = {"factor": spec.get("factor", 1.0), "positions": spec.get("positions", "all"), "layers": None}
-    if "layers" in spec:
+    kind = _kind(spec, where)
+    read = {"kind": kind, "positions": spec.get("positions", "all"), "layers": None}
+    if spec.get("layers") == EVERYWHERE and kind == "ablate":
+        read["layers"] = EVERYWHERE
+    elif "layers" in spec:
         with naming(f"{where}.layers"):
             arguments.layer_indices(spec["layers"], num_layers, where)
             read["layers"] = spec["layers"]
     with naming(f"{where}.vector"):
         vector = spec["vector"]
         read["vector"] = vector if isinstance(vector, str) else checked_vector(vector, hidden_size, where)
-    with naming(f"{where}.factor"):
-        arguments.finite_number(read["factor"], where)
+        if kind != "add" and not isinstance(vector, str):
+            unit_direction(read["vector"], where)
+    if kind == "add":
+        read["factor"] = spec.get("factor", 1.0)
+        with naming(f"{where}.factor"):
+            arguments.finite_number(read["factor"], where)
+    if kind == "cap":
+        _read_bounds(spec, where, read)
     with naming(f"{where}.positions"):
         arguments.phase_or_positions(read["positions"], where)
     return read
+
+
+def _kind(spec: dict[str, Any], where: str) -> str:
+    """A spec's ``kind`` (``"add"`` where it gives none), refusing an unknown one or a field of another kind."""
+    kind = spec.get("kind", "add")
+    if kind not in KINDS:
+        known = ", ".join(repr(name) for name in KINDS)
+        raise InvalidField(f"{where}: kind must be one of {known}, got {kind!r}", f"{where}.kind")
+    for name in ("factor", "min", "max"):
+        if name in spec and name not in KINDS[kind]:
+            has = " and ".join(repr(field) for field in KINDS[kind]) or "no field of its own"
+            raise InvalidField(
+                f"{where}: {kind!r} specs have no field {name!r} ({kind!r} takes {has} beside 'layers', 'vector' "
+                "and 'positions')",
+                f"{where}.{name}",
+            )
+    return kind
+
+
+def _read_bounds(spec: dict[str, Any], where: str, read: dict[str, Any]) -> None:
+    """A ``cap`` spec's ``min`` and ``max`` into ``read``: finite numbers, at least one, ``min <= max``."""
+    for name in ("min", "max"):
+        read[name] = spec.get(name)
+        if read[name] is not None:
+            with naming(f"{where}.{name}"):
+                arguments.finite_number(read[name], where, name)
+    if read["min"] is None and read["max"] is None:
+        raise InvalidField(f"{where}: a 'cap' spec clamps the projection to 'min', 'max' or both: give one", where)
+    if read["min"] is not None and read["max"] is not None and read["min"] > read["max"]:
+        raise InvalidField(
+            f"{where}: min must not exceed max, got min={read['min']} > max={read['max']}", f"{where}.min"
+        )
+
+
+def _spec(read: dict[str, Any], layers: Any, vector: torch.Tensor) -> Steering | Cap:
+    """The spec a read field of its kind makes, at ``layers`` with ``vector``."""
+    if read["kind"] == "add":
+        return Steering(layers, vector, read["factor"], read["positions"])
+    if read["kind"] == "ablate":
+        return Ablate(vector, layers, read["positions"])
+    return Cap(vector, layers, read["min"], read["max"], read["positions"])
 
 
 def named_vectors(specs: Sequence[dict[str, Any]]) -> set[str]:
@@ -97,8 +150,9 @@ def named_vectors(specs: Sequence[dict[str, Any]]) -> set[str]:
     return {spec["vector"] for spec in specs if isinstance(spec["vector"], str)}
 
 
-def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vector]) -> list[Steering]:
-    """`read_steering`'s specs as `Steering`, each named vector taken from ``registered`` (`InvalidField` if absent).
+def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vector]) -> list[Steering | Cap]:
+    """`read_steering`'s specs as `Steering`, `Ablate` or `Cap` by their kind, each named vector taken from
+    ``registered`` (`InvalidField` if absent; a zero one names no direction to ablate or cap).
 
     A vector registered per layer is applied at its own layers where the spec names none, else at the layers
     it names (each of which it must carry)."""
@@ -119,8 +173,15 @@ def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vecto
                     f"steering[{i}]: {spec['vector']!r} is one vector, made for no layer: name the layers",
                     f"steering[{i}].layers",
                 )
-            steering.append(Steering(layers, vector, spec["factor"], spec["positions"]))
+            with naming(f"steering[{i}].vector"):
+                steering.append(_spec(spec, layers, vector))
             continue
+        if layers == EVERYWHERE:
+            raise InvalidField(
+                f"steering[{i}]: {spec['vector']!r} is a vector per layer; layers 'all' ablates one vector at every "
+                "location: name one of its layers' vectors, or register that vector alone",
+                f"steering[{i}].layers",
+            )
         chosen = sorted(vector) if layers is None else [layers] if isinstance(layers, int) else list(layers)
         missing = sorted(set(chosen) - set(vector))
         if missing:
@@ -129,7 +190,8 @@ def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vecto
                 "them, or none to apply it at all of its own",
                 f"steering[{i}].layers",
             )
-        steering += [Steering(layer, vector[layer], spec["factor"], spec["positions"]) for layer in chosen]
+        with naming(f"steering[{i}].vector"):
+            steering += [_spec(spec, layer, vector[layer]) for layer in chosen]
     return steering
 
 
@@ -143,7 +205,7 @@ def checked_vector(value: Any, hidden_size: int, what: str) -> torch.Tensor:
     return arguments.hidden_vector(arguments.one_vector(value, what), hidden_size, what, rows=False)
 
 
-def check_positions(specs: Sequence[Steering], prompt_length: int, prompt: str = "the prompt") -> None:
+def check_positions(specs: Sequence[Steering | Cap], prompt_length: int, prompt: str = "the prompt") -> None:
     """Refuse a spec listing a position outside a prompt of ``prompt_length`` tokens (`InvalidField`)."""
     for i, spec in enumerate(specs):
         if not isinstance(spec.positions, str):
