@@ -2,7 +2,8 @@
 
 Greedy generation of a batch of prompts x new tokens (``ignore_eos``) by: plain vLLM (its default
 compiled mode); SteeredVLLM with no steering, with every request steered by one shared vector at one
-layer, at 8 layers, and with each request's own vector; StandardizedVLLM (nnsight) steering every
+layer, at 8 layers, with each request's own vector, with one direction ablated at every residual-stream location
+(`Ablate`) and capped at 8 layers (`Cap`); StandardizedVLLM (nnsight) steering every
 step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
 does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
 
@@ -18,7 +19,7 @@ Then a steering experiment's grid: 64 cells (8 vectors x 8 factors) steering the
 prompt's prefill), against the same 64 requests each salted apart (as every steered request was before
 decode-only steering shared its prompt): throughput and the prompt tokens each computed, alternating rounds.
 
-    python benchmarks/steering.py [--prompts 64] [--tokens 64] [--rounds 3] [--grid-only]
+    python benchmarks/steering.py [--prompts 64] [--tokens 64] [--rounds 3] [--grid-only | --compiled-only]
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ STEERED = (
     "one shared vector at 1 layer",
     "one shared vector at 8 layers",
     "each request its own vector",
+    "one direction ablated everywhere",
+    "one direction capped at 8 layers",
 )
 
 #: Phases of (engine -> the configurations it measures, whether it is measured every round): the engines
@@ -77,7 +80,7 @@ def plain_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callable,
 def steered_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callable, Callable]:
     from vllm import SamplingParams
 
-    from nnterp_vllm import SteeredVLLM, Steering
+    from nnterp_vllm import Ablate, Cap, SteeredVLLM, Steering
 
     llm = SteeredVLLM(
         path, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, **engine
@@ -90,6 +93,8 @@ def steered_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callabl
                 Steering(LAYER, vector(llm.hidden_size), FACTOR),
                 Steering(EIGHT_LAYERS, vector(llm.hidden_size), FACTOR),
                 [Steering(LAYER, vector(llm.hidden_size, seed), FACTOR) for seed in range(len(batch))],
+                Ablate(vector(llm.hidden_size, 1)),
+                Cap(vector(llm.hidden_size, 2), EIGHT_LAYERS, min=-1.0, max=1.0),
             ],
         )
     )
@@ -251,6 +256,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--grid-only", action="store_true", help="measure only the decode-only grid")
+    parser.add_argument(
+        "--compiled-only", action="store_true", help="measure only plain vLLM and SteeredVLLM, compiled (no grid)"
+    )
     parser.add_argument("--serve", choices=sorted(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--grid-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -265,7 +273,7 @@ def main() -> None:
         grid_report(args.rounds)
         return
     best: dict[str, list[float]] = {}
-    for phase, every_round in PHASES:
+    for phase, every_round in PHASES[:1] if args.compiled_only else PHASES:
         workers = {engine: Worker(engine, args) for engine in phase}
         try:
             for _ in range(args.rounds if every_round else 1):
@@ -284,6 +292,8 @@ def main() -> None:
     print(f"  {'':64s} {'tokens/s':>9s} {'x plain':>8s} {'CPU x plain':>12s}")
     for name, (wall, cpu) in best.items():
         print(f"  {name:64s} {generated / wall:9.1f} {wall_base / wall:8.3f} {cpu_base / cpu:12.3f}")
+    if args.compiled_only:
+        return
     eager, steered_eager = best["plain vLLM, compilation off"], best[f"SteeredVLLM, compilation off, {STEERED[1]}"]
     print(
         f"  compilation off, steered / plain (both eager): {eager[0] / steered_eager[0]:.3f} wall, "

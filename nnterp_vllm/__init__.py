@@ -33,8 +33,10 @@ __all__ = [
     "Steering",
     "UnavailableValue",
     "UnsupportedFamily",
+    "contrast_steering",
     "harvest",
     "load_harvest",
+    "load_steering",
     "sweep",
 ]
 
@@ -49,11 +51,15 @@ def __getattr__(name: str) -> Any:
 
         return StandardizedVLLM
     if name in ("Steering", "Cap", "Ablate"):
-        from . import steering
+        from .steering import specs
 
-        return getattr(steering, name)
+        return getattr(specs, name)
+    if name in ("load_steering", "contrast_steering"):
+        from .steering import sources
+
+        return getattr(sources, name)
     if name == "sweep":
-        from .sweeps import sweep
+        from .steering.sweeps import sweep
 
         return sweep
     if name == "Capture":

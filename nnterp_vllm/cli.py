@@ -61,7 +61,7 @@ def _harvest(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from .checkpoints import named
-    from .sweeps import read_grid, run_grid
+    from .steering.sweeps import read_grid, run_grid
 
     table = run_grid(named(args.model), read_grid(args.grid), progress=not args.quiet)
     print(f"{len(table)} rows written to {table.to_jsonl(args.out)}")
@@ -143,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
         "serve",
         help="vLLM's OpenAI-compatible server with per-request steering (nnterp-vllm serve MODEL --help)",
         add_help=False,
-        prefix_chars="+",  # every argument, --help included, is vLLM's serve parser's (serve.parser)
+        prefix_chars="+",  # every argument, --help included, is vLLM's serve parser's (serve.command_line.parser)
     )
     serve.add_argument("arguments", nargs=argparse.REMAINDER)
     serve.set_defaults(run=_serve)

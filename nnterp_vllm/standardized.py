@@ -348,7 +348,7 @@ class Standardized:
         to ``[min, max]`` where it leaves ``layers``, at ``positions`` (all by default) and ``batch_index`` rows (as
         `steer` takes them): the stream ``h`` becomes ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound
         may be left out, not both. What `nnterp_vllm.Cap` does inside the steered engine. Call inside a trace."""
-        from .steering import Cap
+        from .steering.specs import Cap
 
         require_trace("cap")
         self._apply_direction(Cap(vector, layers, min, max), positions, batch_index)
@@ -367,14 +367,14 @@ class Standardized:
         says which locations and why); else the stream leaving those blocks. What `nnterp_vllm.Ablate` does inside
         the steered engine. Call inside a trace, before the first block it edits runs (with ``"all"``, after every
         other edit of the invoke: it edits every block)."""
-        from .steering import Ablate
+        from .steering.specs import Ablate
 
         require_trace("ablate")
         self._apply_direction(Ablate(vector, layers), positions, batch_index)
 
     def _apply_direction(self, spec: Any, positions: Positions, batch_index: Any) -> None:
         """A checked `Cap` (or `Ablate`) applied where it names, by `_edit_stream`."""
-        from .steering import EVERYWHERE, EVERYWHERE_VALUES, projection_change
+        from .steering.specs import EVERYWHERE, EVERYWHERE_VALUES, projection_change
 
         what = spec.what.lower()
         if spec.layers == EVERYWHERE:

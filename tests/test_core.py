@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import nnsight
 import pytest
@@ -32,6 +33,54 @@ def close(actual, expected, atol=1e-5):
 
 
 # -- the registry --------------------------------------------------------------
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of ``nnterp_vllm`` -> the package's modules it imports, at the top or inside a function (a
+    name imported from a package is that package's module where it is one, else the package itself)."""
+    import ast
+
+    import nnterp_vllm
+
+    root = Path(nnterp_vllm.__file__).parent
+    paths = {".".join(path.relative_to(root.parent).with_suffix("").parts): path for path in root.rglob("*.py")}
+    paths = {name.removesuffix(".__init__"): path for name, path in paths.items()}
+    imports: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names} & set(paths)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+                modules = {f"{target}.{alias.name}" for alias in node.names} & set(paths)
+                found |= modules | ({target} & set(paths) if len(modules) < len(node.names) else set())
+        imports[name] = found - {name}
+    return imports
+
+
+def test_the_package_imports_point_one_way():
+    """Every import between the package's modules, at the top or inside a function, points one way: no module
+    reaches itself again through the modules it imports (the package root, which names the public API lazily,
+    imports everything and is imported by nothing)."""
+    imports = package_imports()
+    assert {"nnterp_vllm.steering.specs", "nnterp_vllm.harvest.run"} <= set(imports)
+    assert all("nnterp_vllm" not in found for name, found in imports.items() if name != "nnterp_vllm")
+
+    done: set[str] = set()
+
+    def reaches(start: str, seen: tuple[str, ...]) -> None:
+        for name in sorted(imports[start] - done):
+            assert name not in seen, f"import circle: {' -> '.join((*seen, name))}"
+            reaches(name, (*seen, name))
+        done.add(start)
+
+    for module in sorted(imports):
+        reaches(module, (module,))
+
+
 
 
 def test_import_loads_no_modeling_code_and_lookup_loads_one_family():

@@ -28,7 +28,7 @@ from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
 from nnterp_vllm.engines.steering_table import SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
-from nnterp_vllm.steering import DIRECTIONS_PER_BLOCK
+from nnterp_vllm.steering.specs import DIRECTIONS_PER_BLOCK
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = ["The quick brown fox jumps", "A cup of coffee", "Rome was not built in a day, they say"]

@@ -782,29 +782,3 @@ def test_saelens_trains_from_a_harvest_in_an_environment_without_nnsight(harvest
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["loaded"] == []
     assert report["after"] < report["before"] / 4, report
-
-
-def test_harvest_modules_import_one_another_without_a_circle():
-    """Every import between ``nnterp_vllm.harvest``'s modules, at the top or inside a function, points one
-    way: no module reaches itself again through the modules it imports."""
-    import ast
-
-    import nnterp_vllm.harvest as package
-
-    directory = Path(package.__file__).parent
-    imports: dict[str, set[str]] = {}
-    for path in directory.glob("*.py"):
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names |= {node.module} if node.module else {alias.name for alias in node.names}
-        imports[path.stem] = names & {other.stem for other in directory.glob("*.py")}
-
-    def reaches(start: str, seen: tuple[str, ...]) -> None:
-        for name in imports[start]:
-            assert name not in seen, f"import circle: {' -> '.join((*seen, name))}"
-            reaches(name, (*seen, name))
-
-    for module in imports:
-        if module != "__init__":
-            reaches(module, (module,))

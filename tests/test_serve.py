@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 
-from nnterp_vllm import Ablate, Cap, Capture, SteeredVLLM, Steering
+from nnterp_vllm import Ablate, Cap, Capture, SteeredVLLM, Steering, load_steering
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -223,7 +223,7 @@ def served(tmp_path_factory):
         "chat": ({"prompt_token_ids": chat_ids}, []),
         "chat steered": ({"prompt_token_ids": chat_ids}, steered),
         "posted": (PROMPT, [Steering(0, found["posted"], factor=1.5)]),
-        "control": (PROMPT, Steering.load(control, factor=2.0)),
+        "control": (PROMPT, load_steering(control, factor=2.0)),
         "per layer": (
             PROMPT,
             [Steering(layer, vector, factor=-1.0, positions="generated") for layer, vector in per_layer.items()],
@@ -493,7 +493,7 @@ def test_bad_registrations_are_refused_with_400(served, body, param, message):
 
 def test_a_vector_made_per_layer_steers_at_its_own_layers_by_file_and_by_post(served):
     """`--steering-vectors control=<repeng .gguf>` and a POST of ``{"name", "vector": {layer: [...]}}``: a spec naming
-    either without layers applies it at its own layers, as `SteeredVLLM` does with `Steering.load`'s specs."""
+    either without layers applies it at its own layers, as `SteeredVLLM` does with `load_steering`'s specs."""
     assert completion_tokens(served, [{"vector": "control", "factor": 2.0}], stream=False) == served.expected["control"]
     body = {"name": "per-layer", "vector": {str(k): v.tolist() for k, v in served.per_layer.items()}}
     assert post(served, "/v1/steering/vectors", body).status_code == 201
@@ -872,7 +872,7 @@ def test_an_async_client_works_after_nnsight_is_imported():
     ],
 )
 def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(flags, message):
-    from nnterp_vllm.serve import parse
+    from nnterp_vllm.serve.command_line import parse
 
     with pytest.raises(ValueError, match=message):
         parse([str(tiny.checkpoint("llama")), *flags])

@@ -33,7 +33,7 @@ from nnterp_vllm import (
 )
 from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS, shutdown_llm
 from nnterp_vllm.harvest.selection import BLOCK_ORDER, Selection
-from nnterp_vllm.steering import per_prompt, specs_of
+from nnterp_vllm.steering.specs import per_prompt, specs_of
 
 STEPS = 16
 BLOCK = 32

@@ -16,7 +16,7 @@ from vllm import SamplingParams
 
 from nnterp_vllm import StandardizedTransformer, SteeredVLLM, Steering, sweep
 from nnterp_vllm.display import plot_sweep_scores
-from nnterp_vllm.sweeps import COLUMNS, read_grid, scoring_positions
+from nnterp_vllm.steering.sweeps import COLUMNS, read_grid, scoring_positions
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 PROMPTS = ["The weather today is", "My favourite colour is"]

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from nnterp_vllm import StandardizedTransformer, Steering
+from nnterp_vllm import StandardizedTransformer, Steering, contrast_steering, load_steering
 from nnterp_vllm.checkpoints import smollm2
-from nnterp_vllm.vectors import sae_layer
+from nnterp_vllm.steering.sources import sae_layer
 
 LIBRARIES = Path(__file__).resolve().parent.parent / ".cache" / "steering-libs"
 PROMPT = "The best way to spend a Sunday is"
@@ -60,14 +60,14 @@ def test_repeng_control_vectors_round_trip_as_objects_and_gguf_files(libraries, 
     vector = repeng.ControlVector(model_type="llama", directions=directions(16, [-1, -3, 4]))
     path = tmp_path / "vector.gguf"
     vector.export_gguf(str(path))
-    from_object = Steering.load(vector, factor=-2.0)
-    from_file = Steering.load(path, factor=-2.0)
+    from_object = load_steering(vector, factor=-2.0)
+    from_file = load_steering(path, factor=-2.0)
     assert specs_as_tuples(from_object) == specs_as_tuples(from_file)
     assert [spec.layers for spec in from_file] == [[-3], [-1], [4]]  # repeng's own numbering, from the end
     for spec in from_file:
         torch.testing.assert_close(spec.vector, torch.from_numpy(vector.directions[spec.layers[0]]))
         assert spec.factor == -2.0 and spec.positions == "all"
-    assert [spec.layers for spec in Steering.load(path, layers=[4, -1])] == [[-1], [4]]
+    assert [spec.layers for spec in load_steering(path, layers=[4, -1])] == [[-1], [4]]
 
 
 def test_steering_vectors_round_trip_as_objects_and_saved_dicts(libraries, tmp_path):
@@ -82,7 +82,7 @@ def test_steering_vectors_round_trip_as_objects_and_saved_dicts(libraries, tmp_p
         metadata={"layer_type": vector.layer_type},
     )
     loaded = [
-        Steering.load(source, factor=3.0)
+        load_steering(source, factor=3.0)
         for source in (vector, tmp_path / "vector.pt", tmp_path / "vector.safetensors")
     ]
     assert specs_as_tuples(loaded[0]) == specs_as_tuples(loaded[1]) == specs_as_tuples(loaded[2])
@@ -99,7 +99,7 @@ def test_a_saelens_feature_is_its_decoder_row_at_the_block_the_sae_reads(tmp_pat
         with torch.no_grad():
             sae.W_dec.normal_()
         sae.save_model(str(tmp_path / hook))
-        (spec,) = Steering.load(tmp_path / hook, feature=3, factor=8.0, positions="generated")
+        (spec,) = load_steering(tmp_path / hook, feature=3, factor=8.0, positions="generated")
         assert (spec.layers, spec.factor, spec.positions) == ([layer], 8.0, "generated")
         torch.testing.assert_close(spec.vector, sae.W_dec[3].detach())
     assert sae_layer("blocks.0.hook_resid_pre") is None  # the embeddings: no block's output
@@ -157,15 +157,15 @@ def malformed(tmp_path: Path, libraries) -> list[tuple]:
 def test_a_malformed_source_is_refused_naming_the_file_and_the_field(libraries, tmp_path):
     for source, feature, message in malformed(tmp_path, libraries):
         with pytest.raises(ValueError, match=message):
-            Steering.load(source, feature=feature)
+            load_steering(source, feature=feature)
     sae = tmp_path / "sae"
     write(sae / "cfg.json", json.dumps({"metadata": {"hook_name": "blocks.2.hook_resid_post"}}))
     with pytest.raises(ValueError, match="feature must be an int in 0..7"):
-        Steering.load(sae, feature=8)
+        load_steering(sae, feature=8)
     with pytest.raises(ValueError, match="carries layers \\[2\\], not \\[5\\]"):
-        Steering.load(sae, feature=1, layers=[5])
+        load_steering(sae, feature=1, layers=[5])
     with pytest.raises(TypeError, match="not dict"):
-        Steering.load({1: torch.zeros(4)})
+        load_steering({1: torch.zeros(4)})
 
 
 # ---------------------------------------------------------------------------------------- applied as shipped
@@ -218,8 +218,8 @@ def by_libraries(libraries, smol, tmp_path_factory):
     control.export_gguf(str(saved / "control.gguf"))
     torch.save(vars(vector), saved / "vector.pt")
     return {
-        "repeng": (Steering.load(saved / "control.gguf", factor=4.0), by_repeng),
-        "steering-vectors": (Steering.load(saved / "vector.pt", factor=-3.0), by_steering_vectors),
+        "repeng": (load_steering(saved / "control.gguf", factor=4.0), by_repeng),
+        "steering-vectors": (load_steering(saved / "vector.pt", factor=-3.0), by_steering_vectors),
     }
 
 
@@ -256,7 +256,7 @@ def test_contrast_vectors_are_the_mean_difference_and_the_first_component_of_pai
     model = StandardizedTransformer(path)
     positive = ["I love this, it is wonderful", "What a great day", "Fantastic work, thank you", "so happy now"]
     negative = ["I hate this, it is awful", "What a terrible day", "Dreadful work, no thanks", "so sad now"]
-    mean, pca = (Steering.contrast(model, positive, negative, [0, 1], method=method) for method in ("mean", "pca"))
+    mean, pca = (contrast_steering(model, positive, negative, [0, 1], method=method) for method in ("mean", "pca"))
     plain = AutoModelForCausalLM.from_pretrained(path).eval()
 
     def last_streams(texts: list[str]) -> torch.Tensor:  # [texts, layers + 1, hidden], BOS first as the harvest reads
@@ -278,6 +278,6 @@ def test_contrast_vectors_are_the_mean_difference_and_the_first_component_of_pai
         sign = (1 if above > below else -1) if above != below else (1 if (up - down).mean() >= 0 else -1)
         torch.testing.assert_close(pca[index].vector, sign * component.float(), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="pairs the texts: 4 positive, 1 negative"):
-        Steering.contrast(model, positive, negative[:1], 0, method="pca")
+        contrast_steering(model, positive, negative[:1], 0, method="pca")
     with pytest.raises(ValueError, match="method must be 'mean' or 'pca'"):
-        Steering.contrast(model, positive, negative, 0, method="median")
+        contrast_steering(model, positive, negative, 0, method="median")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..steering import DIRECTIONS_PER_BLOCK
+from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .steered_settings import CONFIG_KEY, WORKER_CLASSES

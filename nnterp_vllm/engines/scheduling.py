@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..steering import EXTRA_ARGS_KEY, decode_only
+from ..steering.specs import EXTRA_ARGS_KEY, decode_only
 
 
 class PromptCachingScheduler:

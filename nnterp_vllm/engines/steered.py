@@ -22,7 +22,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
-from ..steering import EVERYWHERE, EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, specs_of
+from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, specs_of
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once

@@ -30,7 +30,7 @@ from ..components import vllm as on_vllm
 from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
-from ..steering import (
+from ..steering.specs import (
     DIRECTIONS_PER_BLOCK,
     EVERYWHERE,
     EVERYWHERE_VALUES,

@@ -10,11 +10,7 @@ on Ray Serve (`replicas`). Importing this package loads no vLLM; `main` does.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
-from typing import Any
-
-from ..checkpoints import EMBEDDED, named
 
 
 def prepare_ray_worker() -> None:
@@ -26,124 +22,6 @@ def prepare_ray_worker() -> None:
     """
 
 
-#: Seconds a SIGTERM lets in-flight requests finish (vLLM's --shutdown-timeout, 0 there: abort at once).
-DRAIN_SECONDS = 30
-
-DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
-/v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
-may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers": int | [int],
-"vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
-"positions": "all" | "prompt" | "generated" | [int, ...]}. Vectors are registered at /v1/steering/vectors
-(POST, GET, DELETE) or preloaded with --steering-vectors. MODEL is a checkpoint directory, a hub id, or
-'smollm2' (the embedded default)."""
-
-
-def parser() -> Any:
-    """vLLM's ``serve`` argument parser (``make_arg_parser``) with the steering arguments added."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from ..engines.steered_settings import ROWS_PER_REQUEST
-    from .fields import MAX_CAPTURE_BYTES
-    from .registry import CAPACITY
-
-    root = FlexibleArgumentParser(prog="nnterp-vllm serve", description=DESCRIPTION)
-    root = make_arg_parser(root)
-    steering = root.add_argument_group("Steering")
-    steering.add_argument(
-        "--steering-vectors",
-        metavar="SOURCE",
-        nargs="+",
-        help="vectors registered at start: a safetensors file of named [hidden_size] vectors (each under its "
-        "name), or [NAME=]FILE[#FEATURE], a vector made elsewhere (a repeng .gguf, a steering-vectors dict saved "
-        "with torch.save or as safetensors, a SAELens directory and its feature) registered per layer under NAME",
-    )
-    steering.add_argument(
-        "--capture-values",
-        metavar="SELECTOR",
-        nargs="+",
-        help="values requests may capture (the capture field), e.g. 'layers.*.layer_output'; each holds a buffer "
-        "of max_num_batched_tokens x hidden_size in the engine",
-    )
-    steering.add_argument(
-        "--max-capture-bytes",
-        type=int,
-        default=MAX_CAPTURE_BYTES,
-        help="bytes of kept rows one request may ask for (counting every token it may feed through the model); "
-        "more is answered 400",
-    )
-    steering.add_argument(
-        "--steering-rows-per-request",
-        type=int,
-        default=ROWS_PER_REQUEST,
-        help="distinct sets of specs one request may apply to its tokens (sizes the engine's steering table)",
-    )
-    steering.add_argument(
-        "--max-steering-specs",
-        type=int,
-        help="specs one request may carry (default: 4 per layer of the model)",
-    )
-    steering.add_argument(
-        "--max-steering-vectors",
-        type=int,
-        default=CAPACITY,
-        help="vectors the registry holds at most; a POST of a new name to a full registry is answered 409",
-    )
-    steering.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        help="request bodies larger than this are answered 413 before they are parsed (default: 4 MiB plus what "
-        "--max-steering-specs inline vectors take as JSON)",
-    )
-    steering.add_argument(
-        "--metrics-without-api-key",
-        action="store_true",
-        help="with --api-key: leave /metrics open (for a Prometheus scraper); /health and /ping always are",
-    )
-    steering.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="N > 1: N replicas (one engine each) behind one endpoint, on Ray Serve; vectors are shared",
-    )
-    steering.add_argument("--ray-address", help="with --replicas: an existing Ray cluster (else a local one starts)")
-    root.set_defaults(shutdown_timeout=DRAIN_SECONDS)
-    return root
-
-
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """``argv`` parsed and checked as vLLM's serve checks it; the model named as vLLM's serve names it."""
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-
-    args = parser().parse_args(list(argv))
-    if args.model_tag is not None:
-        args.model = args.model_tag
-    if args.model == EMBEDDED:
-        args.served_model_name = args.served_model_name or [EMBEDDED]
-    args.model = named(args.model)
-    refused = {
-        "--headless": args.headless,
-        "--grpc": args.grpc,
-        "--api-server-count": (args.api_server_count or 1) > 1,
-        "--data-parallel-size": args.data_parallel_size > 1,
-    }
-    for flag, bad in refused.items():
-        if bad:
-            raise ValueError(f"{flag} is not served with steering: run one API server, and --replicas N to scale out")
-    bounds = {
-        "--replicas": args.replicas,
-        "--max-steering-specs": args.max_steering_specs,
-        "--max-steering-vectors": args.max_steering_vectors,
-        "--max-request-body-bytes": args.max_request_body_bytes,
-        "--max-capture-bytes": args.max_capture_bytes,
-    }
-    for flag, value in bounds.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    validate_parsed_serve_args(args)
-    return args
-
-
 def main(argv: Sequence[str]) -> int:
     """Run the server until SIGTERM or SIGINT (in-flight requests drain for --shutdown-timeout seconds)."""
     import uvloop
@@ -151,6 +29,7 @@ def main(argv: Sequence[str]) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.usage.usage_lib import UsageContext
 
+    from .command_line import parse
     from .fields import read_vector_sources
     from .registry import Registry, VectorRegistry
     from .server import engine_args, run_server

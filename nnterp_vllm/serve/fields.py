@@ -19,7 +19,7 @@ import torch
 
 from .. import arguments
 from ..capture import Capture
-from ..steering import EVERYWHERE, Ablate, Cap, Steering, unit_direction
+from ..steering.specs import EVERYWHERE, Ablate, Cap, Steering, unit_direction
 from .errors import InvalidField, naming
 from .intake import decode_json, hand_over
 from .registry import Vector
@@ -262,11 +262,11 @@ def read_vector_sources(sources: Sequence[str], hidden_size: int, capacity: int)
     """``--steering-vectors``' entries, read and checked; raises ``ValueError`` naming the bad one.
 
     An entry is a safetensors file of named ``[hidden_size]`` vectors (each registered under its name), or
-    ``[NAME=]SOURCE[#FEATURE]``: a vector made elsewhere as `Steering.load` reads it (a repeng ``.gguf``, a
+    ``[NAME=]SOURCE[#FEATURE]``: a vector made elsewhere as `load_steering` reads it (a repeng ``.gguf``, a
     steering-vectors dict saved with ``torch.save`` or as safetensors, a SAELens directory with the feature),
     registered per layer under ``NAME`` (the file's name without its suffix by default).
     """
-    from ..vectors import read_vectors
+    from ..steering.sources import read_vectors
 
     vectors: dict[str, Vector] = {}
     for entry in sources:

@@ -30,7 +30,7 @@ class SteeringReplica:
     async def __init__(self, argv: list[str], registry: Any) -> None:
         from vllm.usage.usage_lib import UsageContext
 
-        from . import parse
+        from .command_line import parse
         from .server import build_app, engine_args, steered_engine
 
         args = parse(argv)

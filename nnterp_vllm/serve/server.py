@@ -44,7 +44,7 @@ from ..engines.capture import pack
 from ..engines.compile_cache import start_recompiling_once
 from ..engines.steered import AsyncSteeredVLLM
 from ..engines.steered_settings import steered_engine_args
-from ..steering import Steering
+from ..steering.specs import Steering
 from .errors import InvalidField, error_json, error_response, naming, refusal
 from .fields import (
     SPECS_PER_LAYER,

@@ -1,7 +1,7 @@
 """Steering vectors made elsewhere, as `Steering` specs: repeng's control vectors, steering-vectors' vectors, an
 SAE's decoder rows, and contrast vectors computed from our own harvest.
 
-Each source carries one vector per layer (`read_vectors`); `Steering.load` makes one `Steering` per layer, at the
+Each source carries one vector per layer (`read_vectors`); `load_steering` makes one `Steering` per layer, at the
 layer the source's own library applies it, with its sign. What each library does, and so what its import here keeps:
 
 - repeng (``ControlVector``, or its ``export_gguf`` file: GGUF architecture ``controlvector``, tensors
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .steering import Steering
+from .specs import Steering
 
-WHAT = "Steering.load"
+WHAT = "load_steering"
 #: SAELens hook names that are a block's residual stream: the block whose output the vector is added to.
 SAE_HOOKS = (
     (re.compile(r"^blocks\.(\d+)\.hook_resid_post$"), 0),
@@ -42,8 +42,32 @@ SAE_HOOKS = (
 )
 
 
+def load_steering(
+    source: Any,
+    factor: float = 1.0,
+    positions: str | Sequence[int] = "all",
+    feature: int | None = None,
+    layers: int | Sequence[int] | None = None,
+) -> list[Steering]:
+    """One `Steering` per layer a vector made elsewhere carries, adding it times ``factor`` at ``positions``, where
+    and as its own library applies it (`read_vectors`): a repeng ``ControlVector`` or its ``.gguf`` file, a
+    steering-vectors ``SteeringVector`` or its saved dict, a SAELens SAE directory (``feature``: the feature whose
+    decoder row is the vector). ``layers`` keeps only those of the source's layers (numbered as the source numbers
+    them). Raises ValueError naming the file and the field of a malformed source."""
+    vectors = read_vectors(source, feature)
+    if layers is not None:
+        chosen = [layers] if isinstance(layers, int) else list(layers)
+        missing = sorted(set(chosen) - set(vectors))
+        if missing:
+            raise ValueError(
+                f"{WHAT}: {describe(source)} carries layers {sorted(vectors)}, not {missing}; choose among them"
+            )
+        vectors = {layer: vectors[layer] for layer in chosen}
+    return [Steering(layer, vector, factor=factor, positions=positions) for layer, vector in sorted(vectors.items())]
+
+
 def read_vectors(source: Any, feature: int | None = None) -> dict[int, torch.Tensor]:
-    """``{layer: vector}`` of any source `Steering.load` takes (float32, on the CPU): a repeng ``ControlVector`` or
+    """``{layer: vector}`` of any source `load_steering` takes (float32, on the CPU): a repeng ``ControlVector`` or
     its ``.gguf`` file; a steering-vectors ``SteeringVector`` or its dict saved with ``torch.save`` or as
     safetensors; a SAELens SAE directory (``feature``: the SAE feature whose decoder row is the vector). Raises
     ValueError naming the file and the field when a source is malformed or is none of these."""
@@ -241,18 +265,18 @@ def contrast_steering(
     """
     import tempfile
 
-    from .harvest import harvest
-    from .harvest.compute import build_settings, load_model
-    from .harvest.selection import check_selectors
+    from ..harvest import harvest
+    from ..harvest.compute import build_settings, load_model
+    from ..harvest.selection import check_selectors
 
     if method not in ("mean", "pca"):
-        raise ValueError(f"Steering.contrast: method must be 'mean' or 'pca', got {method!r}")
+        raise ValueError(f"contrast_steering: method must be 'mean' or 'pca', got {method!r}")
     for name, texts in (("positive", positive), ("negative", negative)):
         if isinstance(texts, str) or not texts or not all(isinstance(text, str) and text for text in texts):
-            raise ValueError(f"Steering.contrast: {name} must be a non-empty list of non-empty texts")
+            raise ValueError(f"contrast_steering: {name} must be a non-empty list of non-empty texts")
     if method == "pca" and len(positive) != len(negative):
         raise ValueError(
-            f"Steering.contrast: method='pca' pairs the texts: {len(positive)} positive, {len(negative)} negative"
+            f"contrast_steering: method='pca' pairs the texts: {len(positive)} positive, {len(negative)} negative"
         )
     chosen = [layers] if isinstance(layers, int) else list(layers)
     names = [f"layers.{layer}.layer_output" for layer in chosen]

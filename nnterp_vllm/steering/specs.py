@@ -1,4 +1,4 @@
-"""Declarative steering specs, checked on the client, carried per request into the engine.
+"""The specs: declarative steering, checked on the client, carried per request into the engine.
 
 `Steering` says what `Standardized.steer` says (a vector added to the residual stream leaving some
 standardized blocks, times a factor); `Cap` what `Standardized.cap` says (the stream's projection on a
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import arguments
+from .. import arguments
 
 WHAT = "Steering"
 #: ``layers`` of an `Ablate` at every residual-stream location.
@@ -67,45 +67,6 @@ class Steering:
         object.__setattr__(self, "vector", arguments.one_vector(self.vector, WHAT).detach())
         object.__setattr__(self, "factor", arguments.finite_number(self.factor, WHAT))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, WHAT))
-
-    @classmethod
-    def load(
-        cls,
-        source: Any,
-        factor: float = 1.0,
-        positions: str | Sequence[int] = "all",
-        feature: int | None = None,
-        layers: int | Sequence[int] | None = None,
-    ) -> list[Steering]:
-        """One spec per layer a vector made elsewhere carries, adding it times ``factor`` at ``positions``, where
-        and as its own library applies it (`vectors.read_vectors`): a repeng ``ControlVector`` or its ``.gguf``
-        file, a steering-vectors ``SteeringVector`` or its saved dict, a SAELens SAE directory (``feature``: the
-        feature whose decoder row is the vector). ``layers`` keeps only those of the source's layers (numbered as
-        the source numbers them). Raises ValueError naming the file and the field of a malformed source."""
-        from .vectors import describe, read_vectors
-
-        vectors = read_vectors(source, feature)
-        if layers is not None:
-            chosen = [layers] if isinstance(layers, int) else list(layers)
-            missing = sorted(set(chosen) - set(vectors))
-            if missing:
-                raise ValueError(
-                    f"Steering.load: {describe(source)} carries layers {sorted(vectors)}, not {missing}; "
-                    "choose among them"
-                )
-            vectors = {layer: vectors[layer] for layer in chosen}
-        return [cls(layer, vector, factor=factor, positions=positions) for layer, vector in sorted(vectors.items())]
-
-    @classmethod
-    def contrast(
-        cls, model: Any, positive: Sequence[str], negative: Sequence[str], layers: int | Sequence[int], **kwargs: Any
-    ) -> list[Steering]:
-        """Contrast vectors of two sets of texts from our own harvest, one spec per layer: the mean difference
-        (``method="mean"``) or the first principal component of the paired differences (``method="pca"``)
-        (`vectors.contrast_steering`)."""
-        from .vectors import contrast_steering
-
-        return contrast_steering(model, positive, negative, layers, **kwargs)
 
     def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on a model of ``num_layers``

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import arguments
-from .steering import Steering
+from .. import arguments
+from .sources import load_steering
+from .specs import Steering
 
 WHAT = "sweep"
 #: The columns every row has, before one per score.
@@ -49,7 +50,7 @@ def grid_specs(
 ) -> list[tuple[str, list[int], float, list[Steering]]]:
     """The grid's cells: ``(vector name, layers, factor, specs)``. A vector given as a ``[hidden]`` tensor (or list
     of floats) is tried at each entry of ``layers`` (a block or a list of blocks); one given as `Steering` specs
-    (`Steering.load`'s, one per layer) is applied at its own layers, each spec's factor times the grid's."""
+    (`load_steering`'s, one per layer) is applied at its own layers, each spec's factor times the grid's."""
     if not isinstance(vectors, Mapping) or not vectors:
         raise ValueError(f"{WHAT}: vectors must be a non-empty dict from names to vectors or lists of Steering")
     if isinstance(factors, (str, bytes)) or not isinstance(factors, Sequence) or not factors:
@@ -104,7 +105,7 @@ def sweep(
         model: The engine.
         prompts: Texts.
         vectors: Name -> a ``[hidden_size]`` vector (tried at each of ``layers``) or a list of `Steering`
-            (`Steering.load`'s; applied at its own layers, times each factor).
+            (`load_steering`'s; applied at its own layers, times each factor).
         layers: Blocks, or lists of blocks steered together, for the plain vectors.
         factors: What each vector is multiplied by.
         sampling_params: vLLM ``SamplingParams`` for every generation (vLLM's defaults when ``None``).
@@ -182,7 +183,7 @@ GRID_KEYS = ("prompts", "vectors", "layers", "factors", "positions", "sampling",
 
 def read_grid(path: str | Path) -> dict[str, Any]:
     """A sweep's grid from a YAML (``.yaml``/``.yml``) or JSON file: ``prompts``, ``vectors`` (name -> a list of
-    floats, a vector file `Steering.load` reads, or ``{path, feature, layers}``), ``layers``, ``factors``, and
+    floats, a vector file `load_steering` reads, or ``{path, feature, layers}``), ``layers``, ``factors``, and
     optionally ``positions``, ``sampling`` (``SamplingParams`` arguments), ``score`` and ``engine`` (arguments of
     `SteeredVLLM`). ValueError naming the file and the key for anything else."""
     path = Path(path)
@@ -217,14 +218,14 @@ def grid_vector(path: Path, name: str, entry: Any) -> Any:
     if not isinstance(options.get("path"), str):
         raise ValueError(f"{path}: vectors.{name} is a list of floats, a file path, or {{path, feature, layers}}")
     source = path.parent / options.pop("path")
-    return Steering.load(source, **options)
+    return load_steering(source, **options)
 
 
 def run_grid(model: str | Path, grid: dict[str, Any], progress: bool = True) -> SweepTable:
     """Build `SteeredVLLM` for ``model`` (with the grid's ``engine`` arguments) and sweep the grid on it."""
     from vllm import SamplingParams
 
-    from .engines.steered import SteeredVLLM
+    from ..engines.steered import SteeredVLLM
 
     sampling = SamplingParams(**grid.get("sampling", {}))
     llm = SteeredVLLM(model, **grid.get("engine", {}))
