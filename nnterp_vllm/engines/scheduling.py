@@ -11,7 +11,7 @@ class PromptCachingScheduler:
     """vLLM's scheduler (its asynchronous one where the engine schedules asynchronously) whose prefix cache takes
     no block holding a generated token of a request steered at generated tokens only.
 
-    Such a request is not salted (`steering.request_steering`): its prompt is computed as an unsteered one's and
+    Such a request is not salted (`steering.specs.request_steering`): its prompt is computed as an unsteered one's and
     shared. The KV of its generated tokens is steered, though, and vLLM caches every full block, generated
     tokens included, under the tokens' own hashes; a later prompt repeating those tokens (a chat's next turn)
     would read them. So its cached blocks stop at its prompt.

@@ -8,7 +8,7 @@ stream's projection on each direction ``table[layer, row_of_token, d]`` (d = 1 .
 projection is zero, inside any bounds), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating
 and capping are the one operation: a row that only adds holds zero directions, an ablation is a cap to ``[0, 0]``.
 The last entry (``layers``) holds the directions ablated at every residual-stream location
-(`steering.EVERYWHERE_VALUES`: the stream entering the first block, each attention's and MLP's output), where the
+(`steering.specs.EVERYWHERE_VALUES`: the stream entering the first block, each attention's and MLP's output), where the
 same operation runs from hooks of their own. The buffers are allocated once, as the model loads (before vLLM
 profiles memory and compiles the model), and only ever written in place before each step, from the scheduled
 requests (their specs ride ``SamplingParams.extra_args``) and each token's position: the compiled graph, and the
@@ -122,7 +122,7 @@ def table_rows(vllm_config: Any) -> int:
 
 
 def ablate_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
-    """Forward hook where a value `steering.EVERYWHERE_VALUES` names is a module's output: its directions
+    """Forward hook where a value `steering.specs.EVERYWHERE_VALUES` names is a module's output: its directions
     ablated everywhere taken out."""
     return _ablated_everywhere(module, module.nnterp_everywhere_outputs, output)
 
@@ -236,7 +236,7 @@ class Steerer:
         self.row_writes = 0
 
     def _hook_everywhere(self, model: torch.nn.Module, model_type: str) -> str | None:
-        """Hook every location of `steering.EVERYWHERE_VALUES` (located through the family, as capture locates
+        """Hook every location of `steering.specs.EVERYWHERE_VALUES` (located through the family, as capture locates
         values); where one cannot be written, hook none and say why."""
         names = [name.replace("*", str(i)) for name in EVERYWHERE_VALUES for i in range(self.num_layers)]
         found = locate(model, model_type, list(dict.fromkeys(names)))
