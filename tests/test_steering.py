@@ -686,6 +686,15 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
         SteeredVLLM(tiny.checkpoint("codegen"))
 
 
+def test_an_engine_that_has_not_said_where_it_acts_refuses_ablation_everywhere():
+    """An `AsyncSteeredVLLM` whose ``check_capture_values`` has not run yet refuses ``Ablate(..., layers="all")``
+    rather than sending a request whose ablation no hook would apply."""
+    from nnterp_vllm.engines.steered import SteeringClient
+
+    with pytest.raises(ValueError, match=r"layers='all' .* not served on this model: .*call check_capture_values"):
+        SteeringClient().steered_request({"prompt_token_ids": [1, 2]}, SamplingParams(), [Ablate(torch.ones(8))])
+
+
 def test_steering_for_generate_is_read_per_prompt_or_for_all():
     one, two = (Steering(0, [1.0, 2.0]) for _ in range(2))
     assert per_prompt(None, 3) == [[], [], []]

@@ -36,8 +36,10 @@ class SteeringClient:
     request; the kept rows taken back from the engine."""
 
     vllm_config: Any
-    #: Why an `Ablate` at every residual-stream location is not served on this engine's model, or ``None``.
-    ablate_everywhere_reason: str | None = None
+    #: Why an `Ablate` at every residual-stream location is not served on this engine's model, or ``None``: until
+    #: the engine has said where it can act (`SteeredVLLM` asks as it starts, `AsyncSteeredVLLM` in
+    #: ``check_capture_values``), it is refused, never silently left out.
+    ablate_everywhere_reason: str | None = "the engine has not yet said where it can act: call check_capture_values()"
 
     @property
     def num_layers(self) -> int:
