@@ -26,7 +26,9 @@ __all__ = [
     "AsyncSteeredVLLM",
     "Cap",
     "Capture",
+    "Clamp",
     "EngineShutDown",
+    "SAE",
     "StandardizedTransformer",
     "StandardizedVLLM",
     "SteeredVLLM",
@@ -50,10 +52,14 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
-    if name in ("Steering", "Cap", "Ablate"):
+    if name in ("Steering", "Cap", "Ablate", "Clamp"):
         from .steering import specs
 
         return getattr(specs, name)
+    if name == "SAE":
+        from .steering.saes import SAE
+
+        return SAE
     if name in ("load_steering", "contrast_steering"):
         from .steering import sources
 

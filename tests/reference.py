@@ -101,3 +101,30 @@ def with_input_edit(model: Any, path: str, position: int, edit: Callable[[Any], 
         return run(model).logits
     finally:
         handle.remove()
+
+
+def saelens_sae(directory: Path, architecture: str, hook: str, d_in: int, d_sae: int = 64, seed: int = 0, **cfg: Any):
+    """A SAELens SAE of ``architecture`` (``"standard"``, ``"jumprelu"``, ``"topk"``) with seeded weights (about
+    a tenth of its features active on a stream of unit-scale elements), saved by SAELens's own ``save_model`` into
+    ``directory``; the SAELens object is returned."""
+    from sae_lens import JumpReLUSAE, JumpReLUSAEConfig, StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    kinds = {
+        "standard": (StandardSAE, StandardSAEConfig),
+        "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig),
+        "topk": (TopKSAE, TopKSAEConfig),
+    }
+    sae_class, config_class = kinds[architecture]
+    sae = sae_class(config_class(d_in=d_in, d_sae=d_sae, metadata=SAEMetadata(hook_name=hook), **cfg))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in sae.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        sae.W_enc.div_(d_in**0.5)
+        sae.b_enc.mul_(0.3).sub_(1.2)
+        sae.b_dec.mul_(0.1)
+        if architecture == "jumprelu":
+            sae.threshold.copy_(torch.rand(d_sae, generator=generator) * 0.5)
+    sae.save_model(str(directory))
+    return sae.eval()

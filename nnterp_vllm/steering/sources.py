@@ -22,7 +22,6 @@ Files are read without running any code in them (``torch.load(..., weights_only=
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -31,15 +30,10 @@ from typing import Any
 
 import torch
 
+from .saes import WEIGHTS_FILE, read_config
 from .specs import Steering
 
 WHAT = "load_steering"
-#: SAELens hook names that are a block's residual stream: the block whose output the vector is added to.
-SAE_HOOKS = (
-    (re.compile(r"^blocks\.(\d+)\.hook_resid_post$"), 0),
-    (re.compile(r"^blocks\.(\d+)\.hook_resid_pre$"), -1),
-    (re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?:layers|h|blocks|layer)\.(\d+)$"), 0),
-)
 
 
 def load_steering(
@@ -189,23 +183,8 @@ def _steering_vectors_safetensors(path: Path) -> dict[int, torch.Tensor]:
 
 def _sae_decoder_row(path: Path, feature: int | None) -> dict[int, torch.Tensor]:
     """Feature ``feature``'s decoder row of the SAELens SAE in ``path``, at the block its hook reads."""
-    config_path, weights_path = path / "cfg.json", path / "sae_weights.safetensors"
-    for needed in (config_path, weights_path):
-        if not needed.is_file():
-            raise ValueError(f"{WHAT}: {path} is no SAELens SAE directory: it has no {needed.name}")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{WHAT}: {config_path} is not JSON: {error}") from None
-    hook = (config.get("metadata") or {}).get("hook_name") or config.get("hook_name")
-    if not isinstance(hook, str):
-        raise ValueError(f"{WHAT}: {config_path} names no hook_name")
-    layer = sae_layer(hook)
-    if layer is None:
-        raise ValueError(
-            f"{WHAT}: {config_path}: hook_name {hook!r} is not a block's residual stream "
-            "(blocks.<i>.hook_resid_post, blocks.<i>.hook_resid_pre, or a block's module path such as model.layers.<i>)"
-        )
+    _, _, layer = read_config(path, WHAT)
+    weights_path = path / WEIGHTS_FILE
     from safetensors import safe_open
 
     with safe_open(weights_path, "pt") as handle:
@@ -228,15 +207,6 @@ def pair_sign(up: torch.Tensor, down: torch.Tensor) -> int:
     if above != below:
         return 1 if above > below else -1
     return 1 if (up - down).mean() >= 0 else -1
-
-
-def sae_layer(hook: str) -> int | None:
-    """The block whose output a SAE hooked at ``hook`` reads (``None`` for a hook that is no block's stream)."""
-    for pattern, offset in SAE_HOOKS:
-        match = pattern.fullmatch(hook)
-        if match is not None and int(match.group(1)) + offset >= 0:
-            return int(match.group(1)) + offset
-    return None
 
 
 def contrast_steering(
@@ -304,4 +274,4 @@ def contrast_steering(
     return specs
 
 
-__all__ = ["contrast_steering", "pair_sign", "read_vectors", "sae_layer"]
+__all__ = ["contrast_steering", "pair_sign", "read_vectors"]

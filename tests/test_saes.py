@@ -1,0 +1,124 @@
+"""Sparse autoencoders: SAELens's SAEs read from their directories compute SAELens's own features; what is no SAE
+served here is refused naming why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import reference
+import torch
+
+from nnterp_vllm import SAE
+from nnterp_vllm.steering.saes import sae_list
+
+HIDDEN = 16
+
+
+@pytest.mark.parametrize(
+    ("architecture", "cfg"),
+    [
+        ("standard", {}),
+        ("standard", {"apply_b_dec_to_input": False}),
+        ("jumprelu", {}),
+        ("topk", {"k": 5}),
+        ("topk", {"k": 3, "rescale_acts_by_decoder_norm": True}),
+    ],
+)
+def test_features_and_reconstruction_are_saelens_own(tmp_path, architecture, cfg):
+    theirs = reference.saelens_sae(tmp_path / "sae", architecture, "blocks.2.hook_resid_post", HIDDEN, **cfg)
+    ours = SAE.load(tmp_path / "sae")
+    assert (ours.layer, ours.architecture, ours.d_sae, ours.d_in, ours.name) == (2, architecture, 64, HIDDEN, "sae")
+    stream = torch.randn(3, 7, HIDDEN, generator=torch.Generator().manual_seed(1)) * 2
+    with torch.no_grad():
+        expected = theirs.encode(stream)
+        features = ours.encode(stream)
+        torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+        active = (features > 0).float().mean()
+        assert 0.02 < active < 0.6, f"the seeded SAE should have some features active and most not, got {active}"
+        torch.testing.assert_close(ours.decode(features), theirs.decode(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_an_sae_reads_follows_its_hook(tmp_path):
+    for hook, layer in (("blocks.3.hook_resid_pre", 2), ("model.layers.4", 4), ("blocks.0.hook_resid_post", 0)):
+        reference.saelens_sae(tmp_path / hook, "standard", hook, HIDDEN)
+        assert SAE.load(tmp_path / hook).layer == layer
+
+
+def saved(tmp_path, **changes):
+    """A saved SAE directory whose cfg.json has ``changes`` applied (``None`` removes a key)."""
+    reference.saelens_sae(tmp_path / "sae", "topk", "blocks.1.hook_resid_post", HIDDEN, k=4)
+    config = json.loads((tmp_path / "sae" / "cfg.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (tmp_path / "sae" / "cfg.json").write_text(json.dumps(config))
+    return tmp_path / "sae"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"architecture": "gated"}, "architecture 'gated' is not served; served: standard, jumprelu, topk"),
+        ({"normalize_activations": "layer_norm"}, "normalize_activations is 'layer_norm'; only SAEs with"),
+        ({"reshape_activations": "hook_z"}, "reshape_activations is 'hook_z'"),
+        ({"k": 0}, "a TopK SAE's k must be an int in 1..64, got 0"),
+        ({"metadata": {"hook_name": "blocks.1.hook_mlp_out"}}, "is not a block's residual stream"),
+    ],
+)
+def test_what_is_no_served_sae_is_refused_naming_why(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SAE.load(saved(tmp_path, **changes))
+
+
+def test_a_damaged_directory_is_refused_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match="is not a directory"):
+        SAE.load(tmp_path / "nowhere")
+    directory = saved(tmp_path)
+    save_file({"W_enc": torch.zeros(HIDDEN, 64)}, directory / "sae_weights.safetensors")
+    with pytest.raises(ValueError, match="sae_weights.safetensors has no b_enc, W_dec, b_dec tensor"):
+        SAE.load(directory)
+    save_file(
+        {
+            "W_enc": torch.zeros(HIDDEN, 64),
+            "b_enc": torch.zeros(64),
+            "W_dec": torch.zeros(64, 8),
+            "b_dec": torch.zeros(8),
+        },
+        directory / "sae_weights.safetensors",
+    )
+    with pytest.raises(
+        ValueError, match=r"W_dec has shape \[64, 8\]; W_enc \[d_in, d_sae\] sets the others: W_dec \[64, 16\]"
+    ):
+        SAE.load(directory)
+    (directory / "sae_weights.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        SAE.load(directory)
+    with pytest.raises(TypeError, match="must be a SAELens SAE directory, not int"):
+        SAE.load(3)
+
+
+def test_a_model_holds_one_sae_per_block_that_fits_it(tmp_path):
+    for name, hook in (
+        ("a", "blocks.1.hook_resid_post"),
+        ("b", "blocks.2.hook_resid_pre"),
+        ("c", "blocks.5.hook_resid_post"),
+    ):
+        reference.saelens_sae(tmp_path / name, "standard", hook, HIDDEN)
+    with pytest.raises(ValueError, match="share the layer 1; a model holds one SAE per block"):
+        sae_list([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(ValueError, match="share the name 'a'"):
+        sae_list([SAE.load(tmp_path / "a"), SAE.load(tmp_path / "c", name="a")])
+    with pytest.raises(
+        ValueError, match=r"reads the output of block 5 \(hook blocks.5.hook_resid_post\); the model has 4"
+    ):
+        sae_list([tmp_path / "c"], num_layers=4, hidden_size=HIDDEN)
+    with pytest.raises(ValueError, match="reads a stream of width 16; this model's residual stream is 32 wide"):
+        sae_list([tmp_path / "a"], num_layers=4, hidden_size=32)
+    with pytest.raises(TypeError, match="an SAE is a loaded nnterp_vllm.SAE or a SAELens SAE directory, not int"):
+        sae_list([3])
+    assert [sae.layer for sae in sae_list([tmp_path / "a", tmp_path / "c"], 6, HIDDEN)] == [1, 5]
