@@ -44,6 +44,10 @@ STATIC_BLOCK_VALUES = (
 #: Root values the engine keeps.
 STATIC_ROOT_VALUES = ("token_embeddings", "final_norm_output")
 STATIC_VALUES = STATIC_ROOT_VALUES + STATIC_BLOCK_VALUES
+#: The features of an SAE the engine holds (``saes=[...]``), encoded from the block's kept ``layer_output`` rows.
+SAE_FEATURES = "sae_features"
+#: Features per token a capture of ``sae_features`` keeps unless told.
+TOP_K = 32
 #: Which of a request's positions are kept, besides a list of prompt positions.
 PHASES = ("all", "last", "prompt", "generated")
 NNSIGHT_PATH = (
@@ -53,9 +57,9 @@ NNSIGHT_PATH = (
 )
 
 
-def static_selectors(values: Any, what: str) -> list[Selector]:
-    """``values`` (a selector or a list of them) checked as values the engine keeps; ValueError naming any other
-    (TypeError for a selector that is not a string)."""
+def static_selectors(values: Any, what: str, also: Sequence[str] = ()) -> list[Selector]:
+    """``values`` (a selector or a list of them) checked as values the engine keeps (or ``also`` names); ValueError
+    naming any other (TypeError for a selector that is not a string)."""
     listed = [values] if isinstance(values, str) else values
     if not isinstance(listed, (list, tuple)) or not listed:
         raise (TypeError if not isinstance(listed, (list, tuple)) else ValueError)(
@@ -63,7 +67,12 @@ def static_selectors(values: Any, what: str) -> list[Selector]:
         )
     selectors = [Selector.of(value) for value in listed]
     for selector in selectors:
-        if selector.key not in STATIC_VALUES:
+        if selector.key == SAE_FEATURES and SAE_FEATURES not in also:
+            raise ValueError(
+                f"{what}: {selector.text!r} is encoded from a block's kept layer_output: keep that (e.g. "
+                "'layers.6.layer_output') and hold the SAE (saes=[...]); a Capture then asks for its features"
+            )
+        if selector.key not in STATIC_VALUES + tuple(also):
             raise ValueError(f"{what}: {selector.text!r} is not kept by the engine: {NNSIGHT_PATH}")
     return selectors
 
@@ -104,6 +113,11 @@ class Capture:
             last token), ``"prompt"``, ``"generated"``, or a list of prompt positions (negative counting from the
             prompt's end).
         dtype: What the kept rows are stored as (``"float16"``, ``torch.bfloat16``, ...); the model's by default.
+        top_k: For ``"layers.N.sae_features"`` (the features of the SAE the engine holds at block N): each token's
+            ``top_k`` largest features, as ``"layers.N.sae_features.indices"`` (int64) and
+            ``"layers.N.sae_features.values"`` (float32) ``[kept tokens, top_k]``; or
+        features: those features' activations, dense: ``"layers.N.sae_features"`` ``[kept tokens, len(features)]``
+            (float32), in the order given.
 
     The checks that need no model run here; the layers, the values the engine keeps and the positions
     against the prompt are checked when a request carrying the spec is made.
@@ -112,22 +126,66 @@ class Capture:
     values: str | Sequence[str]
     positions: str | Sequence[int] = "all"
     dtype: str | torch.dtype | None = field(default=None)
+    top_k: int = TOP_K
+    features: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "values", static_selectors(self.values, WHAT))
+        object.__setattr__(self, "values", static_selectors(self.values, WHAT, (SAE_FEATURES,)))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, WHAT, PHASES))
         object.__setattr__(self, "dtype", kept_dtype(self.dtype, WHAT))
+        if not arguments.is_int(self.top_k) or self.top_k < 1:
+            raise ValueError(f"{WHAT}: top_k must be an int >= 1, got {self.top_k!r}")
+        if self.features is not None:
+            listed = arguments.listed_ints(self.features)
+            if listed is None or min(listed) < 0:
+                raise ValueError(
+                    f"{WHAT}: features must be a non-empty list of feature indices >= 0, got {self.features!r}"
+                )
+            object.__setattr__(self, "features", listed)
 
     def names(self, num_layers: int) -> list[str]:
         """The value names this spec keeps on a model of ``num_layers`` blocks, in forward order."""
         return value_names(self.values, num_layers)
 
-    def resolved(self, num_layers: int, kept: Sequence[str], prompt_length: int, dtype: torch.dtype) -> dict[str, Any]:
+    def resolved(
+        self,
+        num_layers: int,
+        kept: Sequence[str],
+        prompt_length: int,
+        dtype: torch.dtype,
+        saes: Sequence[dict[str, Any]] = (),
+    ) -> dict[str, Any]:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on an engine keeping the values
-        ``kept`` of a model of ``num_layers`` blocks in ``dtype``: a fresh key naming the request's rows, the
-        value names, the phase or sorted absolute prompt positions, the dtype's name. Raises ValueError naming
-        a value the engine does not keep, or a position outside the prompt."""
-        names = self.names(num_layers)
+        ``kept`` of a model of ``num_layers`` blocks in ``dtype`` and holding ``saes`` (each ``{"name", "layer",
+        "d_sae", ...}``): a fresh key naming the request's rows, the kept value names (a block's ``layer_output``
+        for its SAE's features), the phase or sorted absolute prompt positions, the dtype's name, and where SAE
+        features are asked for, what to encode (``"sae"``) and the names handed back (``"returned"``). Raises
+        ValueError naming a value the engine does not keep, an SAE it does not hold, a feature the SAE lacks, or a
+        position outside the prompt."""
+        asked = self.names(num_layers)
+        encoded = []
+        for name in asked:
+            if not name.endswith(f".{SAE_FEATURES}"):
+                continue
+            layer = int(name.split(".")[1])
+            held = next((sae for sae in saes if sae["layer"] == layer), None)
+            if held is None:
+                holding = ", ".join(f"{sae['name']} at block {sae['layer']}" for sae in saes) or "none"
+                raise ValueError(
+                    f"{WHAT}: {name} needs an SAE reading block {layer}'s output; the engine holds {holding} (build "
+                    "it with saes=[...])"
+                )
+            features = self.features
+            if features is not None and max(features) >= held["d_sae"]:
+                raise ValueError(
+                    f"{WHAT}: features {[f for f in features if f >= held['d_sae']]} do not exist in SAE "
+                    f"{held['name']!r} ({held['d_sae']} features, 0..{held['d_sae'] - 1})"
+                )
+            top_k = None if features is not None else min(self.top_k, held["d_sae"])
+            source = f"layers.{layer}.layer_output"
+            encoded.append({"name": name, "source": source, "layer": layer, "top_k": top_k, "features": features})
+        by_name = {entry["name"]: entry for entry in encoded}
+        names = list(dict.fromkeys(by_name[name]["source"] if name in by_name else name for name in asked))
         missing = [name for name in names if name not in kept]
         if missing:
             kept_text = ", ".join(kept) if kept else "none"
@@ -138,13 +196,27 @@ class Capture:
         positions = self.positions
         if not isinstance(positions, str):
             positions = sorted(set(arguments.positions_within(positions, prompt_length, WHAT)))
-        return {
+        wire = {
             "key": uuid.uuid4().hex,
             "values": names,
             "positions": positions,
             "prompt_tokens": prompt_length,
             "dtype": str(self.dtype or dtype).removeprefix("torch."),
         }
+        if encoded:
+            wire["sae"] = encoded
+            wire["returned"] = [
+                returned for name in asked for returned in (sae_names(by_name[name]) if name in by_name else [name])
+            ]
+        return wire
+
+
+def sae_names(entry: dict[str, Any]) -> list[str]:
+    """The names an SAE-feature capture (an entry of a wire's ``"sae"``) hands back: the top-k's indices and
+    values, or the chosen features' activations."""
+    if entry["features"] is not None:
+        return [entry["name"]]
+    return [f"{entry['name']}.indices", f"{entry['name']}.values"]
 
 
 def per_prompt(capture: Any, count: int) -> list[Capture | None]:

@@ -88,6 +88,31 @@ def inputs_of(model: Any, path: str) -> tuple:
     return seen[0]
 
 
+def block_outputs(model: Any, input_ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+    """The stream leaving each of ``layers`` (`blocks`' indices) of a plain model on ``input_ids``: ``[seq, hidden]``
+    each, read by forward hooks."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int) -> Callable:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            seen.setdefault(layer, first_output(output)[0])
+
+        return hook
+
+    handles = [blocks(model)[layer].register_forward_hook(keep(layer)) for layer in layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([input_ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def first_output(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def with_input_edit(model: Any, path: str, position: int, edit: Callable[[Any], Any]) -> Any:
     """The logits with positional argument ``position`` of module ``path`` replaced by ``edit(argument)``."""
 
@@ -103,10 +128,19 @@ def with_input_edit(model: Any, path: str, position: int, edit: Callable[[Any], 
         handle.remove()
 
 
-def saelens_sae(directory: Path, architecture: str, hook: str, d_in: int, d_sae: int = 64, seed: int = 0, **cfg: Any):
+def saelens_sae(
+    directory: Path,
+    architecture: str,
+    hook: str,
+    d_in: int,
+    d_sae: int = 64,
+    seed: int = 0,
+    stream_scale: float = 1.0,
+    **cfg: Any,
+):
     """A SAELens SAE of ``architecture`` (``"standard"``, ``"jumprelu"``, ``"topk"``) with seeded weights (about
-    a tenth of its features active on a stream of unit-scale elements), saved by SAELens's own ``save_model`` into
-    ``directory``; the SAELens object is returned."""
+    a tenth of its features active on a stream whose elements are of size ``stream_scale``), saved by SAELens's own
+    ``save_model`` into ``directory``; the SAELens object is returned."""
     from sae_lens import JumpReLUSAE, JumpReLUSAEConfig, StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
     from sae_lens.saes.sae import SAEMetadata
 
@@ -121,9 +155,9 @@ def saelens_sae(directory: Path, architecture: str, hook: str, d_in: int, d_sae:
     with torch.no_grad():
         for parameter in sae.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator))
-        sae.W_enc.div_(d_in**0.5)
+        sae.W_enc.div_(d_in**0.5 * stream_scale)
         sae.b_enc.mul_(0.3).sub_(1.2)
-        sae.b_dec.mul_(0.1)
+        sae.b_dec.mul_(0.1 * stream_scale)
         if architecture == "jumprelu":
             sae.threshold.copy_(torch.rand(d_sae, generator=generator) * 0.5)
     sae.save_model(str(directory))

@@ -122,3 +122,35 @@ def test_a_model_holds_one_sae_per_block_that_fits_it(tmp_path):
     with pytest.raises(TypeError, match="an SAE is a loaded nnterp_vllm.SAE or a SAELens SAE directory, not int"):
         sae_list([3])
     assert [sae.layer for sae in sae_list([tmp_path / "a", tmp_path / "c"], 6, HIDDEN)] == [1, 5]
+
+
+def test_a_clamp_is_checked_as_it_is_made_and_against_the_model(tmp_path):
+    from nnterp_vllm import Clamp
+
+    reference.saelens_sae(tmp_path / "jump", "jumprelu", "blocks.3.hook_resid_pre", HIDDEN)
+    sae = SAE.load(tmp_path / "jump")
+    clamp = Clamp(tmp_path / "jump", 7, value=2.5, positions=[0, -1])
+    assert (clamp.sae.layer, clamp.layers, clamp.bounds, clamp.scale) == (2, [2], (2.5, 2.5), None)
+    engine = clamp.resolved(num_layers=4, hidden_size=HIDDEN, prompt_length=5)
+    read, offset, threshold = sae.feature_encoder(7)
+    assert engine["kind"] == "clamp" and engine["positions"] == [0, 4] and engine["topk"] is None
+    assert engine["threshold"] == threshold == max(0.0, float(sae.threshold[7]))
+    torch.testing.assert_close(torch.tensor(engine["vector"]), read)
+    torch.testing.assert_close(torch.tensor(engine["write"]), sae.W_dec[7])
+    stream = torch.randn(9, HIDDEN)
+    pre = stream @ read + offset
+    torch.testing.assert_close(pre, sae.pre_activation(stream)[:, 7], rtol=1e-5, atol=1e-5)
+    for kwargs, message in [
+        ({"feature": 64, "value": 1.0}, r"feature must be an int in 0..63 \(the SAE's d_sae\), got 64"),
+        ({"feature": True, "value": 1.0}, "feature must be an int"),
+        ({"feature": 1}, "give value= .* or scale=, exactly one"),
+        ({"feature": 1, "value": 1.0, "scale": 2.0}, "exactly one"),
+        ({"feature": 1, "value": float("nan")}, "value must be a finite number"),
+        ({"feature": 1, "scale": 2.0, "positions": "decode"}, "positions must be"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Clamp(sae, **kwargs)
+    with pytest.raises(TypeError, match="an SAE is a loaded nnterp_vllm.SAE or a SAELens SAE directory, not list"):
+        Clamp([1.0], 1, value=1.0)
+    with pytest.raises(ValueError, match="reads block 2's output, 16 wide; this model has 2 blocks, 16 wide"):
+        clamp.resolved(num_layers=2, hidden_size=HIDDEN, prompt_length=5)

@@ -26,12 +26,13 @@ import httpx
 import openai
 import psutil
 import pytest
+import reference
 import tiny
 import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 
-from nnterp_vllm import Ablate, Cap, Capture, SteeredVLLM, Steering, load_steering
+from nnterp_vllm import SAE, Ablate, Cap, Capture, Clamp, SteeredVLLM, Steering, load_steering
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -54,6 +55,11 @@ CAPACITY = 5
 KEPT = ["layers.*.layer_output", "layers.0.mlp_output"]
 MAX_CAPTURE_BYTES = 100_000
 CAPTURED = Capture(["layers.1.layer_output", "layers.0.mlp_output"])
+#: Captures of the SAEs' features the server holds (--sae): a TopK SAE's top 4, a standard SAE's chosen features.
+SAE_CAPTURES = [
+    Capture("layers.2.sae_features", top_k=4),
+    Capture(["layers.1.sae_features", "layers.0.mlp_output"], positions="last", features=[2, 7]),
+]
 
 
 def control_vector_file(path: Path, directions: dict[int, torch.Tensor]) -> Path:
@@ -82,6 +88,12 @@ def as_json(specs: list, names: dict[int, str] | None = None) -> list[dict]:
     names = names or {}
     fields = []
     for i, spec in enumerate(specs):
+        if isinstance(spec, Clamp):
+            target = {"value": spec.value} if spec.value is not None else {"scale": spec.scale}
+            fields.append(
+                {"kind": "clamp", "sae": spec.sae.name, "feature": spec.feature, **target, "positions": spec.positions}
+            )
+            continue
         field = {"layers": spec.layers, "vector": names.get(i) or spec.vector.tolist(), "positions": spec.positions}
         if isinstance(spec, Steering):
             field["factor"] = spec.factor
@@ -205,7 +217,14 @@ def served(tmp_path_factory):
     path = tiny.checkpoint("llama")
     tokenizer = tiny.tokenizer()
     directory = tmp_path_factory.mktemp("serve")
-    llm = SteeredVLLM(path, capture_values=KEPT, **ENGINE)
+    hooks = {
+        "res1": ("standard", "blocks.1.hook_resid_post", {}),
+        "top2": ("topk", "blocks.2.hook_resid_post", {"k": 8}),
+    }
+    for name, (kind, hook, cfg) in hooks.items():
+        reference.saelens_sae(directory / name, kind, hook, tiny.SIZES["hidden_size"], seed=5, **cfg)
+    saes = {name: SAE.load(directory / name, name) for name in hooks}
+    llm = SteeredVLLM(path, capture_values=KEPT, saes=list(saes.values()), **ENGINE)
     hidden_size = llm.hidden_size
     found = vectors(hidden_size)
     per_layer = {layer: found["inline"] * (layer + 1) / 3 for layer in (0, 2)}
@@ -236,6 +255,14 @@ def served(tmp_path_factory):
                 Cap(found["posted"], layers=1, max=-0.5, positions="generated"),
             ],
         ),
+        "clamps": (
+            PROMPT,
+            [
+                Clamp(saes["res1"], 4, value=5.0),
+                Clamp(saes["top2"], 6, scale=3.0, positions="generated"),
+                Steering(0, found["inline"]),
+            ],
+        ),
     }
     concurrent = concurrent_cases(found)
     try:
@@ -243,10 +270,10 @@ def served(tmp_path_factory):
         steering = [specs for _, specs in single.values()] + [specs for _, specs, _ in concurrent]
         outputs = llm.generate(prompts, SamplingParams(**GREEDY, ignore_eos=True), steering)
         kept = llm.generate(
-            [PROMPT, {"prompt_token_ids": chat_ids}],
+            [PROMPT, {"prompt_token_ids": chat_ids}, PROMPT, PROMPT],
             SamplingParams(**GREEDY, ignore_eos=True),
-            [[], steered],
-            capture=CAPTURED,
+            [[], steered, [], []],
+            capture=[CAPTURED, CAPTURED, *SAE_CAPTURES],
         )
     finally:
         llm.shutdown()
@@ -257,6 +284,7 @@ def served(tmp_path_factory):
     arguments = [str(path), "--served-model-name", MODEL, "--steering-vectors", str(vector_file), f"control={control}"]
     arguments += ["--capture-values", *KEPT, "--max-capture-bytes", str(MAX_CAPTURE_BYTES)]
     arguments += ["--chat-template", str(directory / "chat.jinja")]
+    arguments += ["--sae", *(f"{name}={directory / name}" for name in saes)]
     arguments += ["--api-key", KEY, "--max-steering-vectors", str(CAPACITY)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     server = Server(arguments, directory / "server.log")
@@ -274,6 +302,7 @@ def served(tmp_path_factory):
             expected=dict(zip(single, tokens)),
             per_layer=per_layer,
             kept={"plain": kept[0].activations, "chat steered": kept[1].activations},
+            sae_kept=[output.activations for output in kept[2:]],
             concurrent=list(zip(concurrent, tokens[len(single) :])),
         )
     finally:
@@ -331,6 +360,16 @@ def test_ablate_and_cap_entries_equal_the_steered_engine(served, stream):
     assert served.expected["directions"] != served.expected["plain"]
 
 
+def test_clamp_entries_equal_the_steered_engine(served):
+    """A request clamping a standard and a TopK SAE's features (registered with --sae, by name) beside an added
+    vector answers as `SteeredVLLM.generate` with the same `Clamp`s does."""
+    _, specs = served.single["clamps"]
+    steering = as_json(specs)
+    assert [field.get("kind", "add") for field in steering] == ["clamp", "clamp", "add"]
+    assert completion_tokens(served, steering, False) == served.expected["clamps"]
+    assert served.expected["clamps"] != served.expected["plain"]
+
+
 def test_models_health_and_usage_are_vllms(served):
     assert [model.id for model in client(served).models.list().data] == [MODEL]
     response = client(served).completions.create(model=MODEL, prompt=PROMPT, extra_body=EXTRA, **GREEDY)
@@ -371,6 +410,10 @@ def spec(**fields) -> dict:
     return {"layers": 1, "vector": [0.5] * tiny.SIZES["hidden_size"], **fields}
 
 
+def clamp(**fields) -> dict:
+    return {"kind": "clamp", "sae": "res1", "feature": 3, "value": 2.0, **fields}
+
+
 HIDDEN = tiny.SIZES["hidden_size"]
 BAD_STEERING = [
     ([spec(vector=[0.5] * 7)], "steering[0].vector", r"shape \[hidden_size\] = \[128\], got \[7\]"),
@@ -385,8 +428,17 @@ BAD_STEERING = [
     ([spec(positions=[99])], "steering[0].positions", r"position\(s\) \[99\] are outside the sequence's"),
     ([spec(factor="x")], "steering[0].factor", "factor must be a finite number"),
     ([spec(factor=float("inf"))], "steering[0].factor", "factor must be a finite number"),
-    ([spec(scale=2.0)], "steering[0].scale", "unknown field 'scale'"),
-    ([spec(kind="clamp")], "steering[0].kind", "kind must be one of 'add', 'ablate', 'cap', got 'clamp'"),
+    ([spec(shift=2.0)], "steering[0].shift", "unknown field 'shift'"),
+    ([spec(scale=2.0)], "steering[0].scale", "'add' specs have no field 'scale'"),
+    ([spec(kind="smear")], "steering[0].kind", "kind must be one of 'add', 'ablate', 'cap', 'clamp', got 'smear'"),
+    ([spec(kind="clamp")], "steering[0].layers", "'clamp' specs have no field 'layers'"),
+    ([clamp(sae="nope")], "steering[0].sae", r"no SAE is registered as 'nope'; this server holds res1, top2"),
+    ([clamp(sae=None)], "steering[0].sae", "names a registered SAE"),
+    ([clamp(feature=64)], "steering[0].feature", r"SAE 'res1' has 64 features \(0..63\), not 64"),
+    ([clamp(feature=-1)], "steering[0].feature", "'feature' must be an int >= 0"),
+    ([clamp(scale=2.0)], "steering[0]", "gives 'value' or 'scale', exactly one"),
+    ([clamp(value="x")], "steering[0].value", "value must be a finite number"),
+    ([clamp(positions=[99])], "steering[0].positions", r"position\(s\) \[99\] are outside the sequence's"),
     ([spec(kind="ablate", factor=2.0)], "steering[0].factor", "'ablate' specs have no field 'factor'"),
     ([spec(kind="cap", factor=2.0, max=1.0)], "steering[0].factor", "'cap' specs have no field 'factor'"),
     ([spec(min=1.0)], "steering[0].min", "'add' specs have no field 'min'"),
@@ -396,7 +448,11 @@ BAD_STEERING = [
     ([spec(kind="ablate", vector=[0.0] * HIDDEN)], "steering[0].vector", "nonzero, finite norm"),
     ([spec(layers="all")], "steering[0].layers", "layers must be an int"),
     ([spec(kind="ablate", layers="all", vector="control")], "steering[0].layers", "is a vector per layer"),
-    ([spec(kind="ablate", vector=[0.5 + i] * HIDDEN) for i in range(3)], "steering", "cap or ablate 3 directions"),
+    (
+        [spec(kind="ablate", vector=[0.5 + i] * HIDDEN) for i in range(3)],
+        "steering",
+        "cap, ablate or clamp 3 directions",
+    ),
     ([{"layers": 1}], "steering[0].vector", "'vector' is required"),
     (["layer 1"], "steering[0]", "a steering spec is an object"),
     (spec(), "steering", "steering must be a list of specs"),
@@ -553,6 +609,20 @@ def test_capture_comes_back_in_each_choice_as_the_steered_engine_keeps_it(served
     assert "activations" not in plain.json()["choices"][0]
 
 
+def test_sae_features_come_back_as_the_steered_engine_encodes_them(served):
+    for capture, expected in zip(SAE_CAPTURES, served.sae_kept):
+        field = {"values": [s.text for s in capture.values], "positions": capture.positions}
+        field.update({"features": capture.features} if capture.features is not None else {"top_k": capture.top_k})
+        body = {"model": MODEL, "prompt": PROMPT, **GREEDY, **EXTRA, "capture": field}
+        response = post(served, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        kept = decoded(response.json()["choices"][0]["activations"])
+        assert list(kept) == list(expected)
+        for name, rows in expected.items():
+            torch.testing.assert_close(kept[name], rows)
+    assert served.sae_kept[0]["layers.2.sae_features.indices"].dtype == torch.int64
+
+
 BAD_CAPTURES = [
     ({"capture": {"values": "layers.1.self_attn.attention_queries"}}, "capture.values", "not kept by the engine"),
     ({"capture": {"values": "layers.2.mlp_output"}}, "capture.values", "this server keeps no layers.2.mlp_output"),
@@ -561,6 +631,17 @@ BAD_CAPTURES = [
     ({"capture": {"values": "layers.1.layer_output", "dtype": "int8"}}, "capture.dtype", "floating torch dtype"),
     ({"capture": {"values": "layers.1.layer_output", "scale": 2}}, "capture.scale", "unknown field 'scale'"),
     ({"capture": ["layers.1.layer_output"]}, "capture", "capture is an object"),
+    (
+        {"capture": {"values": "layers.0.sae_features"}},
+        "capture.values",
+        "needs an SAE reading block 0's output; the engine holds res1 at block 1, top2 at block 2",
+    ),
+    ({"capture": {"values": "layers.1.sae_features", "top_k": 0}}, "capture.top_k", "top_k must be an int >= 1"),
+    (
+        {"capture": {"values": "layers.1.sae_features", "features": [70]}},
+        "capture.features",
+        r"features \[70\] do not exist in SAE 'res1'",
+    ),
     ({"capture": {"values": "layers.1.layer_output"}, "stream": True}, "stream", "not served on streamed responses"),
     ({"capture": {"values": "layers.1.layer_output"}, "n": 2, "temperature": 1.0}, "n", "send n=1"),
     ({"capture": {"values": "layers.*.layer_output"}, "max_tokens": 200}, "capture", "--max-capture-bytes"),
@@ -869,6 +950,8 @@ def test_an_async_client_works_after_nnsight_is_imported():
         (["--api-server-count", "2"], "--api-server-count is not served with steering"),
         (["--data-parallel-size", "2"], "--data-parallel-size is not served with steering"),
         (["--headless"], "--headless is not served with steering"),
+        (["--sae", "res1"], r"--sae takes NAME=DIR \(a name, then a SAELens SAE directory\), got 'res1'"),
+        (["--sae", "res1=/nowhere"], "SAE.load: /nowhere is not a directory"),
     ],
 )
 def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(flags, message):

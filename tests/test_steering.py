@@ -22,9 +22,11 @@ import torch
 from vllm import LLM, SamplingParams
 
 from nnterp_vllm import (
+    SAE,
     Ablate,
     Cap,
     Capture,
+    Clamp,
     StandardizedTransformer,
     StandardizedVLLM,
     SteeredVLLM,
@@ -144,7 +146,7 @@ def forced_values(model, prompt_ids: list[int], generated: list[int], specs, nam
     wanted = [selection_named(name) for name in names]
     # Forward order, each block's steering at its output: before its layer_output is read, after all else.
     steps = [(selection.order(), selection) for selection in wanted]
-    steps += [((layer, len(BLOCK_ORDER) - 1.5), layer) for layer in steered]
+    steps += [((layer, BLOCK_ORDER.index("layer_output") - 0.5), layer) for layer in steered]
     with model.trace(prompt_ids + generated[:-1]):
         found = nnsight.save({})
         for _, step in sorted(steps, key=lambda item: item[0]):
@@ -251,6 +253,70 @@ def hooked_ablation(path, prompt_ids: list[int], unit: torch.Tensor) -> list[int
     return generated[0, len(prompt_ids) :].tolist()
 
 
+def hooked_generation(path, prompt_ids: list[int], specs, saelens: dict) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logprobs of transformers' own model with ``specs`` applied by forward hooks at each
+    block's output (no project code): added vectors first, then each cap and SAE-feature clamp in order, the
+    feature's activation by SAELens's own ``encode`` (``saelens``: its SAE objects by directory) and its decoder
+    contribution by SAELens's ``decode``. The first call of a block is the prompt; each later one a generated token."""
+    model = reference.load(path)
+    calls: dict[int, int] = {}
+
+    def hook(layer: int):
+        def edit(module, args, out):
+            stream = (out[0] if isinstance(out, tuple) else out).clone()
+            step = calls.get(layer, 0)
+            calls[layer] = step + 1
+            phase = "prompt" if step == 0 else "generated"
+            ordered = sorted(specs, key=lambda spec: not isinstance(spec, Steering))
+            for spec in ordered:
+                if layer not in [chosen % model.config.num_hidden_layers for chosen in spec.layers]:
+                    continue
+                if spec.positions in ("all", phase):
+                    at = list(range(stream.shape[1]))
+                elif phase == "prompt" and not isinstance(spec.positions, str):
+                    at = sorted({position % stream.shape[1] for position in spec.positions})
+                else:
+                    continue
+                h = stream[0, at]
+                if isinstance(spec, Steering):
+                    h = h + spec.factor * spec.vector
+                elif isinstance(spec, Cap):
+                    projection = h @ spec.vector
+                    h = h + (projection.clamp(spec.min, spec.max) - projection)[:, None] * spec.vector
+                else:
+                    sae = saelens[spec.sae.path]
+                    active = sae.encode(h)[:, spec.feature]
+                    target = active * spec.scale if spec.value is None else torch.full_like(active, spec.value)
+                    unit = torch.zeros(sae.cfg.d_sae)
+                    unit[spec.feature] = 1.0
+                    row = sae.decode(unit[None])[0] - sae.decode(torch.zeros(1, sae.cfg.d_sae))[0]
+                    h = h + (target - active)[:, None] * row
+                stream[0, at] = h
+            return (stream, *out[1:]) if isinstance(out, tuple) else stream
+
+        return edit
+
+    handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(reference.blocks(model))]
+    try:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = generated.sequences[0, len(prompt_ids) :]
+    logprobs = torch.stack(
+        [torch.log_softmax(step[0].float(), -1)[token] for step, token in zip(generated.logits, tokens)]
+    )
+    return tokens.tolist(), logprobs
+
+
 def metric(model: LLM, name: str) -> float:
     return sum(m.value for m in model.get_metrics() if m.name == name)
 
@@ -260,12 +326,32 @@ DECODE_PROMPT = "Steering the answer alone shares the question: " + "block by bl
 OTHER_LONG_PROMPT = "The reverse order shares nothing: " + "block after block of them. " * 5
 
 
+#: The size of an element of the tiny models' residual stream, which the seeded SAEs are built for.
+STREAM_SCALE = 0.07
+#: The SAEs each family's tests clamp: SAELens's three architectures, one per block, by the hook each reads.
+SAES = {
+    "standard": "blocks.0.hook_resid_post",
+    "jumprelu": "blocks.2.hook_resid_pre",
+    "topk": "blocks.2.hook_resid_post",
+}
+
+
 @pytest.fixture(scope="class", params=["llama", "gpt2"])
-def family(request):
-    """References on plain vLLM, the nnsight path and transformers, then the steered engine (shut down after)."""
+def family(request, tmp_path_factory):
+    """References on plain vLLM, the nnsight path and transformers, then the steered engine (shut down after),
+    holding the TopK SAE of `SAES` (built by SAELens)."""
     model_type = request.param
     path = tiny.checkpoint(model_type)
     hf = StandardizedTransformer(path)
+    directory = tmp_path_factory.mktemp(f"saes-{model_type}")
+    cfg = {"topk": {"k": 8, "rescale_acts_by_decoder_norm": True}}
+    saelens = {
+        kind: reference.saelens_sae(
+            directory / kind, kind, hook, hf.hidden_size, seed=3, stream_scale=STREAM_SCALE, **cfg.get(kind, {})
+        )
+        for kind, hook in SAES.items()
+    }
+    saes = {kind: SAE.load(directory / kind) for kind in SAES}
     batch = cases(hf.hidden_size)
     prompts = [prompt for prompt, _ in batch]
 
@@ -296,13 +382,15 @@ def family(request):
     finally:
         nnsight_model.shutdown()
 
-    model = SteeredVLLM(path, capture_values=KEPT, **engine_args(model_type))
+    model = SteeredVLLM(path, capture_values=KEPT, saes=[saes["topk"]], **engine_args(model_type))
     try:
         yield SimpleNamespace(
             model_type=model_type,
             path=path,
             model=model,
             hf=hf,
+            saes=saes,
+            saelens=saelens,
             batch=batch,
             plain=plain,
             on_nnsight=on_nnsight,
@@ -440,6 +528,99 @@ class TestSteeredVLLM:
         assert max((rows @ unit).abs().max() for rows in kept.activations.values()) > 1e-2  # the plain stream has it
         assert tokens_and_logprobs(kept)[0] == plain_tokens
 
+    def test_sae_feature_clamps_equal_hooks_with_saelens_own_encoder(self, family):
+        """Clamps of standard, JumpReLU and TopK SAE features (set, scaled, at every position form) beside added,
+        capped and plain requests in one batch: the tokens and logprobs of transformers' own model with the same
+        done by forward hooks and SAELens's ``encode``."""
+        saes = family.saes
+        generator = torch.Generator().manual_seed(37)
+        added, capped = (torch.randn(family.hf.hidden_size, generator=generator) * 2 for _ in range(2))
+        requests = [
+            [Clamp(saes["standard"], 5, value=6.0)],
+            [Clamp(saes["jumprelu"], 9, scale=0.0, positions="prompt"), Steering(1, added)],
+            [Clamp(saes["topk"], 2, value=4.0, positions="generated"), Cap(capped, layers=2, max=0.5)],
+            None,
+            [Steering(0, added)],
+            [Clamp(saes["standard"], 7, scale=3.0, positions=[0, -1]), Clamp(saes["standard"], 5, value=2.0)],
+            [Clamp(saes["topk"], 11, scale=4.0), Clamp(saes["jumprelu"], 3, value=5.0)],
+        ]
+        prompts = [SUBJECTS[i % 5] for i in range(len(requests))] + SUBJECTS
+        outputs = family.model.generate(prompts, SamplingParams(**GREEDY), requests + [None] * len(SUBJECTS))
+        saelens = {saes[kind].path: family.saelens[kind] for kind in saes}
+        for i, (specs, output) in enumerate(zip(requests, outputs)):
+            tokens, logprobs = tokens_and_logprobs(output)
+            if specs is None:
+                continue
+            prompt_ids = list(output.prompt_token_ids)
+            hooked_tokens, hooked_logprobs = hooked_generation(family.path, prompt_ids, specs, saelens)
+            assert tokens == hooked_tokens, specs
+            torch.testing.assert_close(logprobs, hooked_logprobs, **LOGPROB_TOLERANCE)
+            _, plain_logprobs = tokens_and_logprobs(outputs[len(requests) + i % 5])
+            assert not torch.allclose(logprobs, plain_logprobs, atol=1e-3), (i, "the clamp changed nothing")
+
+    def test_sae_features_captured_equal_saelens_encode_of_transformers_stream(self, family):
+        """The held TopK SAE's features, captured as each token's top k and as chosen features densely (beside the
+        block's own rows and a plain request), equal SAELens's ``encode`` of transformers' stream leaving block 2."""
+        chosen = [1, 5, 9, 33]
+        captures = [
+            Capture(["layers.2.sae_features", "layers.1.layer_output"], top_k=5),
+            Capture("layers.2.sae_features", positions="prompt", features=chosen),
+            None,
+        ]
+        outputs = family.model.generate(SUBJECTS[:3], SamplingParams(**GREEDY), None, capture=captures)
+        assert list(outputs[0].activations) == [
+            "layers.1.layer_output",
+            "layers.2.sae_features.indices",
+            "layers.2.sae_features.values",
+        ]
+        assert list(outputs[1].activations) == ["layers.2.sae_features"] and outputs[2].activations is None
+        saelens = family.saelens["topk"]
+        model = reference.load(family.path)
+        for output, capture in zip(outputs[:2], captures):
+            fed = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+            seen = reference.block_outputs(model, fed, [1, 2])
+            with torch.no_grad():
+                expected = saelens.encode(seen[2])
+            kept = output.activations
+            if capture.features is None:
+                top = expected.topk(5, dim=-1)
+                assert kept["layers.2.sae_features.indices"].shape == (len(fed), 5)
+                active = top.values > 0  # where fewer are active, which zero comes first is arbitrary
+                assert active[:, 0].all() and active.float().mean() > 0.5
+                assert torch.equal(kept["layers.2.sae_features.indices"][active], top.indices[active])
+                torch.testing.assert_close(kept["layers.2.sae_features.values"], top.values, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(kept["layers.1.layer_output"], seen[1], atol=1e-4, rtol=1e-4)
+            else:
+                prompt = expected[: len(output.prompt_token_ids), chosen]
+                torch.testing.assert_close(kept["layers.2.sae_features"], prompt, atol=1e-4, rtol=1e-4)
+                assert (prompt > 0).any(), "the chosen features should fire somewhere on the prompt"
+
+    def test_sae_features_the_engine_cannot_encode_are_refused_before_it_runs(self, family):
+        requests = family.model.request_counter.counter
+        params = SamplingParams(**GREEDY)
+        with pytest.raises(
+            ValueError,
+            match=r"layers.1.sae_features needs an SAE reading block 1's output; the engine holds topk at block 2",
+        ):
+            family.model.generate(SUBJECTS[0], params, capture=Capture("layers.1.sae_features"))
+        with pytest.raises(ValueError, match=r"features \[64\] do not exist in SAE 'topk' \(64 features, 0..63\)"):
+            family.model.generate(SUBJECTS[0], params, capture=Capture("layers.2.sae_features", features=[3, 64]))
+        assert family.model.request_counter.counter == requests
+        with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
+            Capture("layers.2.sae_features", top_k=0)
+        with pytest.raises(ValueError, match="is encoded from a block's kept layer_output: keep that"):
+            SteeredVLLM(family.path, capture_values=["layers.2.sae_features"])
+
+    def test_a_topk_feature_the_engine_does_not_hold_is_refused_before_it_runs(self, family, tmp_path):
+        reference.saelens_sae(tmp_path / "other", "topk", "blocks.1.hook_resid_post", family.hf.hidden_size, k=4)
+        requests = family.model.request_counter.counter
+        with pytest.raises(
+            ValueError, match=r"is a TopK SAE, .* build the engine with saes=\[...\] naming it \(it holds \['topk'\]\)"
+        ):
+            family.model.generate(SUBJECTS[0], SamplingParams(**GREEDY), Clamp(tmp_path / "other", 1, value=2.0))
+        assert family.model.request_counter.counter == requests
+        assert list(family.model.saes) == ["topk"]
+
     def test_ablation_everywhere_on_a_model_that_cannot_write_a_location_is_refused_before_the_engine(self, family):
         model = family.model
         requests = model.request_counter.counter
@@ -565,7 +746,7 @@ class TestSteeredVLLM:
             (lambda n: [Ablate(torch.ones(n), layers=[0, 5])], r"Ablate: layer\(s\) \[5\] do not exist"),
             (
                 lambda n: [Ablate(torch.randn(n), layers=[0, 1]) for _ in range(3)],
-                r"specs \[0, 1, 2\] cap or ablate 3 directions on the same tokens at layer 0",
+                r"specs \[0, 1, 2\] cap, ablate or clamp 3 directions on the same tokens at layer 0",
             ),
         ],
     )
@@ -701,7 +882,7 @@ def test_steering_for_generate_is_read_per_prompt_or_for_all():
     assert per_prompt(one, 2) == [[one], [one]]
     assert per_prompt([one, two], 3) == [[one, two]] * 3  # a list of specs for every prompt
     assert per_prompt([one, None, [one, two]], 3) == [[one], [], [one, two]]  # as long as the prompts: per prompt
-    with pytest.raises(TypeError, match=r"None, a Steering \(or Cap, Ablate\) or a list of them"):
+    with pytest.raises(TypeError, match=r"None, a Steering \(or Cap, Ablate, Clamp\) or a list of them"):
         per_prompt({"layers": 0}, 2)
 
 

@@ -35,6 +35,7 @@ from ..capture import EXTRA_ARGS_KEY, STATIC_ROOT_VALUES, kept_count, kept_runs
 from ..components import Layers
 from ..components.values import Located
 from ..standardized import Standardized, standard_rename
+from ..steering.saes import SAE
 from .shared_rows import INTO, open_region
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,28 @@ class KeptRows:
             return None
         return {name: tensor[: self.filled] for name, tensor in zip(self.wire["values"], self.tensors)}
 
+    def handed_back(self, saes: dict[int, SAE], device: torch.device) -> dict[str, torch.Tensor] | None:
+        """What the client gets (`named`): where the capture asks for SAE features, each of them encoded on
+        ``device`` by the SAE at its block (``saes``) from the block's kept rows (`encoded_features`), and only
+        the values the capture asked for."""
+        named = self.named()
+        if named is None or "sae" not in self.wire:
+            return named
+        for entry in self.wire["sae"]:
+            named.update(encoded_features(saes[entry["layer"]], named[entry["source"]], entry, device))
+        return {name: named[name] for name in self.wire["returned"]}
+
+
+def encoded_features(sae: SAE, rows: torch.Tensor, entry: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """An SAE-feature capture (an entry of a wire's ``"sae"``) of ``rows`` ``[kept, hidden]``: the top-k's
+    ``<name>.indices`` (int64) and ``<name>.values``, or the chosen features' ``<name>``, ``[kept, k]`` float32 on
+    the CPU, encoded on ``device``."""
+    features = sae.on(device).encode(rows.to(device))
+    if entry["features"] is not None:
+        return {entry["name"]: features[:, entry["features"]].cpu()}
+    top = features.topk(entry["top_k"], dim=-1)
+    return {f"{entry['name']}.indices": top.indices.cpu(), f"{entry['name']}.values": top.values.cpu()}
+
 
 def keeps_rows() -> bool:
     """Whether this worker keeps captured rows: only the first tensor-parallel rank does, the streams being whole
@@ -309,7 +332,14 @@ class RowsLeaving:
 class Capturer:
     """Installs the capture operations on a loaded model, lays out each step's kept rows and copies them out."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        device: torch.device,
+        names: Sequence[str],
+        saes: Sequence[SAE] = (),
+    ) -> None:
         model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
         self.names = list(names)
         self.slots = {name: slot for slot, name in enumerate(self.names)}
@@ -321,6 +351,9 @@ class Capturer:
             name: (where.module, where.attribute) for name, where in found.items() if name not in self.reasons
         }
         self.keeps = keeps_rows()
+        self.device = device
+        #: The SAEs the engine holds (whose features captures encode from the rows kept), by the block they read.
+        self.saes = {sae.layer: sae for sae in saes}
         self.hidden = model_config.get_hidden_size()
         self.requests: dict[str, KeptRows | None] = {}
         #: Destinations mapped here (`shared_rows`), by id: the region and how many requests write into it.
@@ -450,12 +483,12 @@ class Capturer:
         for entry, kept in list(self.finished.items()):
             key, request_id = entry.split("/", 1)
             if key in wanted:
-                found.setdefault(key, {})[request_id] = kept.named()
+                found.setdefault(key, {})[request_id] = kept.handed_back(self.saes, self.device)
                 del self.finished[entry]
                 self.release(kept)
         for request_id, kept in self.requests.items():
             if kept is not None and not kept.taken and kept.wire["key"] in wanted:
-                found.setdefault(kept.wire["key"], {})[request_id] = kept.named()
+                found.setdefault(kept.wire["key"], {})[request_id] = kept.handed_back(self.saes, self.device)
                 kept.taken = True
                 self.release(kept)
         if packed:

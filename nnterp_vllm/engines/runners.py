@@ -18,8 +18,8 @@ import torch
 from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
-from .steered_settings import CONFIG_KEY, WORKER_CLASSES
-from .steering_table import Steerer, table_rows
+from .steered_settings import CONFIG_KEY, SAES_SETTING, WORKER_CLASSES, held_saes
+from .steering_table import PARAMS, SLOTS, Steerer, table_rows
 from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
 
 
@@ -47,8 +47,9 @@ class SteeringModelRunner:
         if self.memory_budget is not None:
             sizes = buffer_sizes(self.vllm_config, names, self.device, keeps_rows())
             check_room(sizes, self.memory_budget.left(self.device))
-        self._steerer = Steerer(model, self.vllm_config, self.device)
-        self._capturer = Capturer(model, self.vllm_config, self.device, names)
+        saes = held_saes(self.vllm_config)
+        self._steerer = Steerer(model, self.vllm_config, self.device, saes)
+        self._capturer = Capturer(model, self.vllm_config, self.device, names, saes)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -96,8 +97,13 @@ def buffer_sizes(
     hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
     layers = model_config.hf_text_config.num_hidden_layers + 1  # and the directions ablated everywhere
     rows = table_rows(vllm_config)
-    slots = (1 + DIRECTIONS_PER_BLOCK) * hidden * element + DIRECTIONS_PER_BLOCK * 2 * 4  # vectors, bounds
+    slots = SLOTS * hidden * element + DIRECTIONS_PER_BLOCK * PARAMS * 4  # directions, their parameters
     sizes = {"steering table": layers * rows * slots + tokens * 8}
+    topk = [
+        sae for sae in vllm_config.additional_config[CONFIG_KEY].get(SAES_SETTING, []) if sae["architecture"] == "topk"
+    ]
+    if topk:
+        sizes["TopK SAE encoders"] = sum((sae["d_in"] + 3) * sae["d_sae"] * 4 + sae["d_in"] * 4 for sae in topk)
     if capture_names and keeps:
         copies = 1 if device.type == "cpu" else 2
         sizes["capture buffers"] = copies * len(capture_names) * tokens * hidden * element

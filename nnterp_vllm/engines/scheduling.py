@@ -36,4 +36,3 @@ class PromptCachingScheduler:
 
         coordinator.cache_blocks = prompt_blocks_of_decode_steered
         return scheduler
-

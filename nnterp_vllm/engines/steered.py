@@ -22,12 +22,21 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
-from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, Steering, per_prompt, request_steering, specs_of
+from ..steering.saes import SAE
+from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, Clamp, Steering, per_prompt, request_steering, specs_of
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
 from .shared_rows import INTO
-from .steered_settings import CONFIG_KEY, ROWS_PER_REQUEST, steered_engine_args, steering_settings
+from .steered_settings import (
+    CONFIG_KEY,
+    ROWS_PER_REQUEST,
+    SAES_SETTING,
+    held,
+    held_saes,
+    steered_engine_args,
+    steering_settings,
+)
 from .vllm_platform import TAKEN, remove_socket_directory, socket_directory
 
 
@@ -57,6 +66,20 @@ class SteeringClient:
         return self.vllm_config.model_config.dtype
 
     @property
+    def saes(self) -> dict[str, SAE]:
+        """The SAEs this engine holds (built with ``saes=[...]``), by name: a `Clamp` on a TopK SAE needs its
+        engine to hold it."""
+        if getattr(self, "_saes", None) is None:
+            self._saes = {sae.name: sae for sae in held_saes(self.vllm_config)}
+        return self._saes
+
+    @property
+    def held_saes(self) -> list[dict[str, Any]]:
+        """What the client knows of the SAEs the engine holds, without loading them: each one's ``name``,
+        ``path``, ``digest``, ``layer``, ``architecture``, ``d_in`` and ``d_sae``."""
+        return list(self.vllm_config.additional_config[CONFIG_KEY][SAES_SETTING])
+
+    @property
     def capture_values(self) -> list[str]:
         """The values this engine can keep (`Capture`), as it was built to: names such as ``layers.3.layer_output``."""
         return list(self.vllm_config.additional_config[CONFIG_KEY][CAPTURE_SETTING])
@@ -83,6 +106,7 @@ class SteeringClient:
                 f"{everywhere.what}: layers={EVERYWHERE!r} (every residual-stream location) is not served on this "
                 f"model: {self.ablate_everywhere_reason}; name the blocks whose output it acts on instead"
             )
+        self._check_held(specs)
         made = request_steering(
             specs,
             self.num_layers,
@@ -95,7 +119,9 @@ class SteeringClient:
         if capture is not None:
             if params.n != 1:
                 raise ValueError(f"Capture: a capturing request makes one completion (n=1), not n={params.n}")
-            wire = capture.resolved(self.num_layers, self.capture_values, length, self.vllm_config.model_config.dtype)
+            wire = capture.resolved(
+                self.num_layers, self.capture_values, length, self.vllm_config.model_config.dtype, self.held_saes
+            )
         if made is None and wire is None:
             return engine_input, params, None
         params = params.clone()
@@ -113,6 +139,18 @@ class SteeringClient:
                 params.skip_reading_prefix_cache = True
         params.extra_args = extra
         return engine_input, params, wire
+
+    def _check_held(self, specs: Sequence[Any]) -> None:
+        """Refuse a `Clamp` of a TopK SAE this engine does not hold: such a feature depends on all of them."""
+        held_digests = {entry["digest"] for entry in self.held_saes}
+        for spec in specs:
+            if isinstance(spec, Clamp) and spec.sae.architecture == "topk" and spec.sae.digest not in held_digests:
+                names = sorted(entry["name"] for entry in self.held_saes)
+                raise ValueError(
+                    f"Clamp: {spec.sae.path} is a TopK SAE, whose feature's activation depends on all of its features: "
+                    f"the engine must hold it to compute them; build the engine with saes=[...] naming it (it holds "
+                    f"{names or 'none'})"
+                )
 
     def _check_capture_places(self, places: dict[str, Any]) -> None:
         """Refuse, after the engine is built, values it was asked to keep but cannot (``places``: what the
@@ -132,8 +170,9 @@ def merged(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
     """Give ``output`` (and its completion) the rows its request kept: ``activations``, a dict from each value's
-    name to a ``[kept tokens, hidden]`` tensor in position order, as many rows as tokens went through the model
-    at the kept positions (the prompt and each generated token fed back in); ``None`` where it kept nothing."""
+    name to a ``[kept tokens, hidden]`` tensor in position order (``[kept tokens, k]`` for SAE features), as many
+    rows as tokens went through the model at the kept positions (the prompt and each generated token fed back in);
+    ``None`` where it kept nothing."""
     if wire is None:
         output.activations = None
         for completion in output.outputs:
@@ -143,7 +182,7 @@ def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken
     completion = output.outputs[0]
     fed = len(output.prompt_token_ids or []) + max(0, len(completion.token_ids) - 1)
     count = kept_count(wire, fed)
-    activations = {name: unpack(rows[name])[:count] for name in wire["values"] if name in rows}
+    activations = {name: unpack(rows[name])[:count] for name in wire.get("returned", wire["values"]) if name in rows}
     output.activations = completion.activations = activations
 
 
@@ -168,6 +207,9 @@ class SteeredVLLM(SteeringClient, LLM):
         capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
+        saes: The SAEs the engine holds (`SAE`s or SAELens directories), by name in ``saes``: a `Clamp` of a TopK
+            SAE's feature needs its engine to hold that SAE (the steering operation computes its encoder at that
+            block); one per block.
         **kwargs: Every ``vllm.LLM`` argument, as vLLM takes it: compilation stays vLLM's default and
             prefix caching stays on. The model runs in the checkpoint's own dtype, as on transformers (`dtypes`),
             unless ``dtype=`` (or ``torch_dtype=``) names another; vLLM's ``"auto"`` would run a float32
@@ -182,13 +224,16 @@ class SteeredVLLM(SteeringClient, LLM):
         *,
         steering_rows_per_request: int = ROWS_PER_REQUEST,
         capture_values: Any = None,
+        saes: Any = None,
         **kwargs: Any,
     ) -> None:
-        settings = steering_settings(model, kwargs, steering_rows_per_request, capture_values)
+        loaded = held(model, kwargs, saes)
+        settings = steering_settings(model, kwargs, steering_rows_per_request, capture_values, loaded)
         kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
         with socket_directory(self):
             start_recompiling_once(lambda: super(SteeredVLLM, self).__init__(str(model), **kwargs))
         self.vllm_config = self.llm_engine.vllm_config
+        self._saes = {sae.name: sae for sae in loaded}
         self._check_capture_places(self.collective_rpc("capture_places")[0])
 
     def generate(
@@ -316,11 +361,12 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
 
     @classmethod
     def from_engine_args(
-        cls, engine_args: EngineArgs, *args: Any, capture_values: Any = None, **kwargs: Any
+        cls, engine_args: EngineArgs, *args: Any, capture_values: Any = None, saes: Any = None, **kwargs: Any
     ) -> AsyncSteeredVLLM:
         """vLLM's ``from_engine_args``, the steering worker and settings (the values requests may keep,
-        ``capture_values``, among them) added to ``engine_args``. Call `check_capture_values` once it runs."""
-        steered = steered_engine_args(engine_args, capture_values=capture_values)
+        ``capture_values``, and the SAEs it holds, ``saes``, among them) added to ``engine_args``. Call
+        `check_capture_values` once it runs."""
+        steered = steered_engine_args(engine_args, capture_values=capture_values, saes=saes)
         return super().from_engine_args(steered, *args, **kwargs)
 
     async def check_capture_values(self) -> None:

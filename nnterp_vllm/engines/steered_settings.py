@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from .. import families
 from ..components import values as values_module
 from ..components import vllm as on_vllm
 from ..standardized import Standardized
+from ..steering import specs
+from ..steering.saes import SAE, sae_list
 from . import capture as in_engine_capture
 from . import containment
 from .capture import CAPTURE_SETTING
@@ -22,6 +25,8 @@ from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
+#: ``additional_config``'s key of the SAEs the engine holds (``saes=[...]``): their paths, names and digests.
+SAES_SETTING = "saes"
 #: Distinct steering rows one request may need unless the engine is built with another number.
 ROWS_PER_REQUEST = 2
 #: vLLM engine arguments the steered engine sets itself or cannot serve.
@@ -41,14 +46,18 @@ SCHEDULER = "nnterp_vllm.engines.scheduling.PromptCachingScheduler"
 
 
 def steering_settings(
-    model: Any, given: dict[str, Any], rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+    model: Any,
+    given: dict[str, Any],
+    rows_per_request: int = ROWS_PER_REQUEST,
+    capture_values: Any = None,
+    saes: Sequence[SAE] = (),
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
     The steering worker, its settings in ``additional_config`` (the values it keeps, ``capture_values``,
-    among them; they also key vLLM's compile cache apart from plain vLLM's) and this platform's defaults
-    (`engine_kwargs`). Refuses what the steered engine cannot serve, a model no vLLM family serves, and
-    values it cannot keep, before anything loads.
+    and the SAEs it holds, ``saes`` (loaded and checked by `held_saes`), among them; they also key vLLM's compile
+    cache apart from plain vLLM's) and this platform's defaults (`engine_kwargs`). Refuses what the steered engine
+    cannot serve, a model no vLLM family serves, and values it cannot keep, before anything loads.
     """
     refused = {
         "worker_cls": given.get("worker_cls") not in (None, "auto"),
@@ -66,7 +75,15 @@ def steering_settings(
     families.lookup(Standardized._model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
-    additional[CONFIG_KEY] = {"rows_per_request": rows_per_request, "code": _code_digest(), CAPTURE_SETTING: kept}
+    additional[CONFIG_KEY] = {
+        "rows_per_request": rows_per_request,
+        "code": _code_digest(),
+        CAPTURE_SETTING: kept,
+        SAES_SETTING: [
+            {key: getattr(sae, key) for key in ("name", "path", "digest", "layer", "architecture", "d_in", "d_sae")}
+            for sae in saes
+        ],
+    }
     plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
     # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
     placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
@@ -100,11 +117,30 @@ def kept_values(capture_values: Any, num_layers: int, additional_config: dict[st
     return names
 
 
+def held(model: Any, given: dict[str, Any], saes: Any) -> list[SAE]:
+    """``saes=[...]`` for a steered engine of ``model``, loaded and checked against its config (`sae_list`)."""
+    config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
+    text = config.get_text_config()
+    return sae_list(saes, text.num_hidden_layers, text.hidden_size)
+
+
+def held_saes(vllm_config: Any) -> list[SAE]:
+    """The SAEs an engine was built to hold (``saes=[...]``), loaded on the worker and checked to be the ones the
+    client loaded (their digests)."""
+    held = []
+    for entry in vllm_config.additional_config[CONFIG_KEY].get(SAES_SETTING, []):
+        sae = SAE.load(entry["path"], entry["name"])
+        if sae.digest != entry["digest"]:
+            raise ValueError(f"saes: {entry['path']} changed on disk since the engine was asked to hold it")
+        held.append(sae)
+    return held
+
+
 def steered_engine_args(
-    engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None
+    engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None, saes: Any = None
 ) -> EngineArgs:
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
-    ``capture_values``."""
+    ``capture_values`` and holding ``saes``."""
     names = (
         "dtype",
         "worker_cls",
@@ -120,7 +156,8 @@ def steered_engine_args(
         "additional_config",
     )
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
-    settings = steering_settings(engine_args.model, given, rows_per_request, capture_values)
+    loaded = held(engine_args.model, given, saes)
+    settings = steering_settings(engine_args.model, given, rows_per_request, capture_values, loaded)
     return dataclasses.replace(engine_args, **settings)
 
 
@@ -133,6 +170,6 @@ def _code_digest() -> str:
         inspect.getsource(containment),
         inspect.getsource(on_vllm),
         inspect.getsource(values_module),
+        inspect.getsource(specs),
     ]
     return hashlib.sha256("".join(sources).encode()).hexdigest()[:16]
-

@@ -1,12 +1,18 @@
 """The steering table of the steered engine, on its worker: one static operation at every standardized block.
 
 At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
-exactly where `Standardized.steer` adds) a forward hook adds ``table[layer, row_of_token, 0]`` and then clamps the
-stream's projection on each direction ``table[layer, row_of_token, d]`` (d = 1 .. `DIRECTIONS_PER_BLOCK`) to
-``bounds[layer, row_of_token, d - 1]``: ``table`` is a ``[layers + 1, rows, 1 + directions, hidden]`` buffer,
-``bounds`` ``[layers + 1, rows, directions, 2]`` (row 0 adds nothing and clamps nothing: a zero direction's
-projection is zero, inside any bounds), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating
-and capping are the one operation: a row that only adds holds zero directions, an ablation is a cap to ``[0, 0]``.
+exactly where `Standardized.steer` adds) a forward hook adds ``table[layer, row_of_token, 0]`` and then, for each
+of the row's `DIRECTIONS_PER_BLOCK` direction slots in turn, moves the stream's activation along the slot's read
+direction to its target along its write direction (`steering.specs.feature_change`, with the slot's ``params``:
+bounds, offset, threshold, scale, and for a TopK SAE's feature its index). ``table`` is a ``[layers + 1, rows, 1 +
+2 * directions, hidden]`` buffer (the added vector, then each slot's read and write directions), ``params``
+``[layers + 1, rows, directions, PARAMS]`` (row 0 adds nothing and moves nothing: a zero direction writes
+nothing), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating, capping and clamping an SAE
+feature are the one operation: a row that only adds holds zero directions, a cap reads and writes its unit
+direction with no threshold, an ablation is a cap to ``[0, 0]``, a clamp reads the feature's encoder column
+(its offset and threshold the bias and the activation's) and writes its decoder row. At a block where the engine
+holds a TopK SAE (``saes=[...]``) the operation also computes that SAE's pre-activations, so a TopK feature's
+activation is what SAELens's encoder gives it (zero outside the ``k`` largest).
 The last entry (``layers``) holds the directions ablated at every residual-stream location
 (`steering.specs.EVERYWHERE_VALUES`: the stream entering the first block, each attention's and MLP's output), where the
 same operation runs from hooks of their own. The buffers are allocated once, as the model loads (before vLLM
@@ -30,13 +36,14 @@ from ..components import vllm as on_vllm
 from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
+from ..steering.saes import SAE
 from ..steering.specs import (
     DIRECTIONS_PER_BLOCK,
     EVERYWHERE,
     EVERYWHERE_VALUES,
     EXTRA_ARGS_KEY,
     TokenSets,
-    projection_change,
+    feature_change,
     token_sets,
 )
 from .capture import count_eager_run, locate
@@ -45,22 +52,59 @@ from .steered_settings import CONFIG_KEY
 # -- worker side --------------------------------------------------------------------------------------
 
 
+#: A direction slot's parameters, in ``params``' last axis.
+LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(6)
+PARAMS = 6
+#: Table slots per row: the added vector, then each direction's read and write directions.
+SLOTS = 1 + 2 * DIRECTIONS_PER_BLOCK
+
+
+class TopKEncoder(torch.nn.Module):
+    """A TopK SAE's encoder at its block, as buffers: every feature's pre-activation and each token's ``k``-th
+    largest of them (float32)."""
+
+    def __init__(self, sae: SAE, device: Any) -> None:
+        super().__init__()
+        self.k = sae.k
+        with torch.inference_mode(False):
+            self.register_buffer("W_enc", sae.W_enc.to(device), False)
+            self.register_buffer("b_enc", sae.b_enc.to(device), False)
+            self.register_buffer("b_dec", (sae.b_dec * sae.apply_b_dec_to_input).to(device), False)
+            norms = sae.decoder_norms() if sae.rescale_acts_by_decoder_norm else torch.ones(sae.d_sae)
+            self.register_buffer("norms", norms.to(device), False)
+
+    def pre_activation(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stream`` ``[tokens, hidden]``'s pre-activations ``[tokens, d_sae]`` and each token's ``k``-th largest
+        (``[tokens]``); pure tensor code."""
+        pre = ((stream.float() - self.b_dec) @ self.W_enc + self.b_enc) * self.norms
+        return pre, pre.topk(self.k, dim=-1).values.amin(-1)
+
+
 class SteeringTable(torch.nn.Module):
-    """The per-step steering buffers: ``table [layers, rows, 1 + directions, hidden]`` (each row's added vector,
-    then its directions), ``bounds [layers, rows, directions, 2]`` (row 0 adds and clamps nothing) and
-    ``row_of_token``.
+    """The per-step steering buffers: ``table [layers, rows, SLOTS, hidden]`` (each row's added vector, then its
+    directions' read and write directions), ``params [layers, rows, directions, PARAMS]`` (row 0 adds and moves
+    nothing), ``row_of_token``, and the encoders of the TopK SAEs the engine holds, by block.
 
     Registered on every steered block (non-persistent buffers: no weight file names them), so the
     compiled graph reads them as inputs at stable module paths; they are only ever written in place.
     """
 
-    def __init__(self, layers: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        tokens: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: Any,
+        topk_saes: Sequence[SAE] = (),
+    ) -> None:
         super().__init__()
-        slots = 1 + DIRECTIONS_PER_BLOCK
         with torch.inference_mode(False):
-            self.register_buffer("table", torch.zeros(layers, rows, slots, hidden, dtype=dtype, device=device), False)
-            self.register_buffer("bounds", unbounded(layers, rows, device), False)
+            self.register_buffer("table", torch.zeros(layers, rows, SLOTS, hidden, dtype=dtype, device=device), False)
+            self.register_buffer("params", neutral_params(layers, rows, device), False)
             self.register_buffer("row_of_token", torch.zeros(tokens, dtype=torch.long, device=device), False)
+        self.encoders = torch.nn.ModuleDict({str(sae.layer): TopKEncoder(sae, device) for sae in topk_saes})
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
 
@@ -71,33 +115,65 @@ class SteeringTable(torch.nn.Module):
 
     def steered(self, layer: int, stream: torch.Tensor) -> torch.Tensor:
         """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at table entry ``layer``
-        (each token's vector, then each of its directions' projection clamped to its bounds, in order); pure
-        tensor code."""
+        (each token's vector, then each of its directions in turn); pure tensor code."""
         rows = self.row_of_token[: stream.shape[-2]]
         slots = self.table[layer].index_select(0, rows)
-        bounds = self.bounds[layer].index_select(0, rows)
+        params = self.params[layer].index_select(0, rows)
+        encoder = self.encoders[str(layer)] if str(layer) in self.encoders else None
         delta = slots[:, 0]
         for slot in range(DIRECTIONS_PER_BLOCK):
-            delta = delta + projection_change(
-                stream + delta, slots[:, 1 + slot], bounds[:, slot, 0], bounds[:, slot, 1]
+            current = stream + delta
+            read, write, held = slots[:, 1 + 2 * slot], slots[:, 2 + 2 * slot], params[:, slot]
+            pre = floor = None
+            if encoder is not None:
+                pre, floor = topk_activation(encoder, current, read, held)
+            delta = delta + feature_change(
+                current,
+                read,
+                write,
+                held[:, LOW],
+                held[:, HIGH],
+                offset=held[:, OFFSET],
+                threshold=held[:, THRESHOLD],
+                scale=held[:, SCALE],
+                pre=pre,
+                floor=floor,
             )
         return delta
 
 
-def unbounded(layers: int, rows: int, device: Any = "cpu") -> torch.Tensor:
-    """``[layers, rows, directions, 2]`` bounds that clamp nothing: ``(-inf, inf)``."""
-    bounds = torch.empty(layers, rows, DIRECTIONS_PER_BLOCK, 2, dtype=torch.float32, device=device)
-    bounds[..., 0], bounds[..., 1] = -torch.inf, torch.inf
-    return bounds
+def topk_activation(
+    encoder: TopKEncoder, stream: torch.Tensor, read: torch.Tensor, held: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's pre-activation at its slot and the floor it must reach to be active: for a slot naming a TopK
+    feature, that feature's pre-activation and the token's ``k``-th largest; for any other, the slot's read
+    direction's and no floor."""
+    flat = stream.reshape(-1, stream.shape[-1])
+    every, kth = encoder.pre_activation(flat)
+    feature = held[:, TOPK_FEATURE]
+    named = feature >= 0
+    chosen = every.gather(-1, feature.clamp(min=0).long()[:, None])[:, 0]
+    own = (flat.float() * read.float()).sum(-1) + held[:, OFFSET]
+    floor = torch.where(named, kth, torch.full_like(kth, -torch.inf))
+    return torch.where(named, chosen, own).reshape(stream.shape[:-1]), floor.reshape(stream.shape[:-1])
+
+
+def neutral_params(layers: int, rows: int, device: Any = "cpu") -> torch.Tensor:
+    """``[layers, rows, directions, PARAMS]`` parameters that move nothing: no bounds, no offset, no threshold,
+    scale 1, no TopK feature."""
+    params = torch.zeros(layers, rows, DIRECTIONS_PER_BLOCK, PARAMS, dtype=torch.float32, device=device)
+    params[..., LOW], params[..., HIGH], params[..., THRESHOLD] = -torch.inf, torch.inf, -torch.inf
+    params[..., SCALE], params[..., TOPK_FEATURE] = 1.0, -1.0
+    return params
 
 
 def row_content(specs: Sequence[dict[str, Any]], entries: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One table row's content from the specs (engine form) it applies, in order: ``[entries, 1 + directions,
-    hidden]`` (the summed added vectors, then each cap's direction in the next free slot of its layers; the last
-    entry for the directions ablated everywhere) and ``[entries, directions, 2]`` bounds (``-inf`` / ``inf``
-    where a bound is left out)."""
-    content = torch.zeros(entries, 1 + DIRECTIONS_PER_BLOCK, hidden, dtype=torch.float32)
-    bounds = unbounded(entries, 1)[:, 0]
+    """One table row's content from the specs (engine form) it applies, in order: ``[entries, SLOTS, hidden]``
+    (the summed added vectors, then each cap's or clamp's read and write directions in the next free slot of its
+    layers; the last entry for the directions ablated everywhere) and ``[entries, directions, PARAMS]``
+    parameters (``-inf`` / ``inf`` where a bound is left out)."""
+    content = torch.zeros(entries, SLOTS, hidden, dtype=torch.float32)
+    params = neutral_params(entries, 1)[:, 0]
     used = [0] * entries
     for spec in specs:
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
@@ -105,13 +181,17 @@ def row_content(specs: Sequence[dict[str, Any]], entries: int, hidden: int) -> t
             if spec["kind"] == "add":
                 content[layer, 0] += spec["factor"] * vector
                 continue
+            slot = used[layer]
             used[layer] += 1
-            content[layer, used[layer]] = vector
+            content[layer, 1 + 2 * slot] = vector
+            content[layer, 2 + 2 * slot] = torch.tensor(spec["write"]) if "write" in spec else vector
+            held = params[layer, slot]
             low, high = spec["min"], spec["max"]
-            bounds[layer, used[layer] - 1] = torch.tensor(
-                [-torch.inf if low is None else low, torch.inf if high is None else high]
-            )
-    return content, bounds
+            held[LOW], held[HIGH] = -torch.inf if low is None else low, torch.inf if high is None else high
+            if spec["kind"] == "clamp":
+                held[OFFSET], held[THRESHOLD], held[SCALE] = spec["offset"], spec["threshold"], spec["scale"]
+                held[TOPK_FEATURE] = spec["topk"]["feature"] if spec["topk"] else -1
+    return content, params
 
 
 def table_rows(vllm_config: Any) -> int:
@@ -189,7 +269,9 @@ class RequestRows:
 class Steerer:
     """Installs the steering operation on a loaded model and fills its buffers before each step."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, vllm_config: Any, device: torch.device, saes: Sequence[SAE] = ()
+    ) -> None:
         model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
         blocks = steered_blocks(model, Standardized._model_type(model_config.hf_config))
         if len(blocks) != model_config.hf_text_config.num_hidden_layers:
@@ -200,7 +282,8 @@ class Steerer:
         hidden = model_config.get_hidden_size()
         tokens = scheduler.max_num_batched_tokens
         rows = table_rows(vllm_config)
-        self.buffers = SteeringTable(len(blocks) + 1, rows, tokens, hidden, model_config.dtype, device)
+        topk = [sae for sae in saes if sae.architecture == "topk"]
+        self.buffers = SteeringTable(len(blocks) + 1, rows, tokens, hidden, model_config.dtype, device, topk)
         for index, (block, value) in enumerate(blocks):
             block.nnterp_steering = self.buffers
             block.nnterp_layer = index
@@ -218,12 +301,11 @@ class Steerer:
         self.host_rows = (
             self.buffers.row_of_token if on_host else torch.zeros(tokens, dtype=torch.long, pin_memory=True)
         )
-        slots = 1 + DIRECTIONS_PER_BLOCK
         entries = len(blocks) + 1
         self.host_contents = (
-            None if on_host else torch.zeros(rows, entries, slots, hidden, dtype=model_config.dtype, pin_memory=True)
+            None if on_host else torch.zeros(rows, entries, SLOTS, hidden, dtype=model_config.dtype, pin_memory=True)
         )
-        self.host_bounds = None if on_host else unbounded(rows, entries).pin_memory()
+        self.host_params = None if on_host else neutral_params(rows, entries).pin_memory()
         self.host_rows_np = self.host_rows.numpy()
         self.written = 0
         self.requests: dict[str, RequestRows | None] = {}
@@ -355,15 +437,15 @@ class Steerer:
         else:
             evicted = next(key for key in self.row_of_key if key not in needed)
             row = self.row_of_key.pop(evicted)
-        content, bounds = row_content(self.contents[named], self.num_layers + 1, self.hidden)
+        content, params = row_content(self.contents[named], self.num_layers + 1, self.hidden)
         if self.host_contents is None:
             self.buffers.table[:, row].copy_(content)
-            self.buffers.bounds[:, row].copy_(bounds)
+            self.buffers.params[:, row].copy_(params)
         else:
             self.host_contents[row].copy_(content)
-            self.host_bounds[row].copy_(bounds)
+            self.host_params[row].copy_(params)
             self.buffers.table[:, row].copy_(self.host_contents[row], non_blocking=True)
-            self.buffers.bounds[:, row].copy_(self.host_bounds[row], non_blocking=True)
+            self.buffers.params[:, row].copy_(self.host_params[row], non_blocking=True)
         self.row_of_key[named] = row
         self.row_writes += 1
         return row

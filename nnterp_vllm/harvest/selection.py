@@ -38,6 +38,7 @@ BLOCK_ORDER = (
     "mlp.mlp_output",
     "mlp_output",
     "layer_output",
+    "sae_features",
 )
 #: Block values a selector may name without their module: ``layers.3.attention_input``.
 SHORT_NAMES = {"attention_input": "self_attn.attention_input", "mlp_input": "mlp.mlp_input"}

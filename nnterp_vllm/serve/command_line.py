@@ -16,9 +16,10 @@ DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument ap
 /v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
 may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers": int | [int],
 "vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
-"positions": "all" | "prompt" | "generated" | [int, ...]}. Vectors are registered at /v1/steering/vectors
-(POST, GET, DELETE) or preloaded with --steering-vectors. MODEL is a checkpoint directory, a hub id, or
-'smollm2' (the embedded default)."""
+"positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
+"value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
+/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. MODEL is a checkpoint directory, a
+hub id, or 'smollm2' (the embedded default)."""
 
 
 def parser() -> Any:
@@ -40,6 +41,13 @@ def parser() -> Any:
         help="vectors registered at start: a safetensors file of named [hidden_size] vectors (each under its "
         "name), or [NAME=]FILE[#FEATURE], a vector made elsewhere (a repeng .gguf, a steering-vectors dict saved "
         "with torch.save or as safetensors, a SAELens directory and its feature) registered per layer under NAME",
+    )
+    steering.add_argument(
+        "--sae",
+        metavar="NAME=DIR",
+        nargs="+",
+        help="SAEs the engine holds, each a SAELens SAE directory under NAME: requests clamp their features "
+        '({"kind": "clamp", "sae": NAME, ...}); one per block',
     )
     steering.add_argument(
         "--capture-values",
@@ -123,5 +131,17 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for flag, value in bounds.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    args.sae = [sae_source(source) for source in args.sae or []]
     validate_parsed_serve_args(args)
     return args
+
+
+def sae_source(source: str) -> Any:
+    """``--sae``'s ``NAME=DIR``: the SAE in ``DIR``, loaded under ``NAME`` (`SAE.load`); ValueError naming the
+    form where it is not one."""
+    from ..steering.saes import SAE
+
+    name, separator, directory = source.partition("=")
+    if not separator or not name or not directory:
+        raise ValueError(f"--sae takes NAME=DIR (a name, then a SAELens SAE directory), got {source!r}")
+    return SAE.load(directory, name)

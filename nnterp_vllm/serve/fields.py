@@ -18,16 +18,20 @@ from typing import Any
 import torch
 
 from .. import arguments
-from ..capture import Capture
-from ..steering.specs import EVERYWHERE, Ablate, Cap, Steering, unit_direction
+from ..capture import SAE_FEATURES, TOP_K, Capture
+from ..steering.saes import SAE
+from ..steering.specs import EVERYWHERE, Ablate, Cap, Clamp, Steering, unit_direction
 from .errors import InvalidField, naming
 from .intake import decode_json, hand_over
 from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
-SPEC_FIELDS = ("kind", "layers", "vector", "factor", "min", "max", "positions")
-#: Each kind of spec (`Steering`, `Ablate`, `Cap`) and the fields of its own it takes.
-KINDS = {"add": ("factor",), "ablate": (), "cap": ("min", "max")}
+SPEC_FIELDS = ("kind", "layers", "vector", "factor", "min", "max", "sae", "feature", "value", "scale", "positions")
+#: Each kind of spec (`Steering`, `Ablate`, `Cap`, `Clamp`) and the fields of its own it takes (beside 'positions',
+#: and a direction's 'layers' and 'vector').
+KINDS = {"add": ("factor",), "ablate": (), "cap": ("min", "max"), "clamp": ("sae", "feature", "value", "scale")}
+#: The fields only one kind takes.
+OWN_FIELDS = tuple(name for names in KINDS.values() for name in names)
 #: What a registered vector's name may be (it is also a URL path segment).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
@@ -73,6 +77,9 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
             raise InvalidField(
                 f"{where}: unknown field {name!r}; a spec has {', '.join(SPEC_FIELDS)}", f"{where}.{name}"
             )
+    kind = _kind(spec, where)
+    if kind == "clamp":
+        return _read_clamp(spec, where)
     if "vector" not in spec:
         raise InvalidField(f"{where}: the field 'vector' is required", f"{where}.vector")
     if "layers" not in spec and not isinstance(spec["vector"], str):
@@ -80,7 +87,6 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
             f"{where}: the field 'layers' is required (only a registered vector made per layer, named, brings its own)",
             f"{where}.layers",
         )
-    kind = _kind(spec, where)
     read = {"kind": kind, "positions": spec.get("positions", "all"), "layers": None}
     if spec.get("layers") == EVERYWHERE and kind == "ablate":
         read["layers"] = EVERYWHERE
@@ -110,15 +116,34 @@ def _kind(spec: dict[str, Any], where: str) -> str:
     if kind not in KINDS:
         known = ", ".join(repr(name) for name in KINDS)
         raise InvalidField(f"{where}: kind must be one of {known}, got {kind!r}", f"{where}.kind")
-    for name in ("factor", "min", "max"):
+    beside = "'positions'" if kind == "clamp" else "'layers', 'vector' and 'positions'"
+    for name in (*OWN_FIELDS, "layers", "vector") if kind == "clamp" else OWN_FIELDS:
         if name in spec and name not in KINDS[kind]:
             has = " and ".join(repr(field) for field in KINDS[kind]) or "no field of its own"
             raise InvalidField(
-                f"{where}: {kind!r} specs have no field {name!r} ({kind!r} takes {has} beside 'layers', 'vector' "
-                "and 'positions')",
+                f"{where}: {kind!r} specs have no field {name!r} ({kind!r} takes {has} beside {beside})",
                 f"{where}.{name}",
             )
     return kind
+
+
+def _read_clamp(spec: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``clamp`` spec: a registered SAE's name, a feature index, exactly one of ``value`` and ``scale``
+    (checked against the SAE by `with_vectors`)."""
+    read = {"kind": "clamp", "positions": spec.get("positions", "all"), "layers": None, "vector": None}
+    if not isinstance(spec.get("sae"), str):
+        raise InvalidField(f"{where}: a 'clamp' spec names a registered SAE (--sae NAME=DIR) in 'sae'", f"{where}.sae")
+    feature = spec.get("feature")
+    if not isinstance(feature, int) or isinstance(feature, bool) or feature < 0:
+        raise InvalidField(f"{where}: 'feature' must be an int >= 0, got {feature!r}", f"{where}.feature")
+    given = [name for name in ("value", "scale") if spec.get(name) is not None]
+    if len(given) != 1:
+        raise InvalidField(f"{where}: a 'clamp' spec gives 'value' or 'scale', exactly one", where)
+    with naming(f"{where}.{given[0]}"):
+        arguments.finite_number(spec[given[0]], where, given[0])
+    with naming(f"{where}.positions"):
+        arguments.phase_or_positions(read["positions"], where)
+    return {**read, "sae": spec["sae"], "feature": feature, given[0]: spec[given[0]]}
 
 
 def _read_bounds(spec: dict[str, Any], where: str, read: dict[str, Any]) -> None:
@@ -150,14 +175,20 @@ def named_vectors(specs: Sequence[dict[str, Any]]) -> set[str]:
     return {spec["vector"] for spec in specs if isinstance(spec["vector"], str)}
 
 
-def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vector]) -> list[Steering | Cap]:
-    """`read_steering`'s specs as `Steering`, `Ablate` or `Cap` by their kind, each named vector taken from
-    ``registered`` (`InvalidField` if absent; a zero one names no direction to ablate or cap).
+def with_vectors(
+    specs: Sequence[dict[str, Any]], registered: Mapping[str, Vector], saes: Mapping[str, SAE] | None = None
+) -> list[Steering | Cap | Clamp]:
+    """`read_steering`'s specs as `Steering`, `Ablate`, `Cap` or `Clamp` by their kind, each named vector taken
+    from ``registered`` and each named SAE from ``saes`` (`InvalidField` if absent; a zero vector names no
+    direction to ablate or cap, a feature must be one the SAE has).
 
     A vector registered per layer is applied at its own layers where the spec names none, else at the layers
     it names (each of which it must carry)."""
     steering = []
     for i, spec in enumerate(specs):
+        if spec["kind"] == "clamp":
+            steering.append(_clamp(spec, f"steering[{i}]", saes or {}))
+            continue
         vector, layers = spec["vector"], spec["layers"]
         if isinstance(vector, str):
             if vector not in registered:
@@ -193,6 +224,22 @@ def with_vectors(specs: Sequence[dict[str, Any]], registered: Mapping[str, Vecto
         with naming(f"steering[{i}].vector"):
             steering += [_spec(spec, layer, vector[layer]) for layer in chosen]
     return steering
+
+
+def _clamp(spec: dict[str, Any], where: str, saes: Mapping[str, SAE]) -> Clamp:
+    """A read ``clamp`` spec as a `Clamp` of the SAE it names."""
+    sae = saes.get(spec["sae"])
+    if sae is None:
+        held = ", ".join(sorted(saes)) or "none (start the server with --sae NAME=DIR)"
+        raise InvalidField(
+            f"{where}: no SAE is registered as {spec['sae']!r}; this server holds {held}", f"{where}.sae"
+        )
+    if spec["feature"] >= sae.d_sae:
+        raise InvalidField(
+            f"{where}: SAE {spec['sae']!r} has {sae.d_sae} features (0..{sae.d_sae - 1}), not {spec['feature']}",
+            f"{where}.feature",
+        )
+    return Clamp(sae, spec["feature"], spec.get("value"), spec.get("scale"), spec["positions"])
 
 
 def checked_vector(value: Any, hidden_size: int, what: str) -> torch.Tensor:
@@ -316,9 +363,12 @@ def _named_vectors_file(source: str) -> dict[str, torch.Tensor] | None:
     return {name: tensor.to(torch.float32) for name, tensor in tensors.items()}
 
 
-def read_capture(capture: Any, num_layers: int, kept: Sequence[str]) -> Capture | None:
-    """A request's ``capture`` field (``None``, or ``{"values", "positions", "dtype"}`` as `Capture` takes them),
-    checked against the values the engine keeps; raises `InvalidField` naming the field."""
+def read_capture(
+    capture: Any, num_layers: int, kept: Sequence[str], saes: Sequence[dict[str, Any]] = ()
+) -> Capture | None:
+    """A request's ``capture`` field (``None``, or ``{"values", "positions", "dtype", "top_k", "features"}`` as
+    `Capture` takes them), checked against the values the engine keeps and the SAEs it holds (``saes``: each
+    ``{"name", "layer", "d_sae", ...}``); raises `InvalidField` naming the field."""
     if capture is None:
         return None
     if not kept:
@@ -340,7 +390,10 @@ def read_capture(capture: Any, num_layers: int, kept: Sequence[str]) -> Capture 
     with naming("capture.values"):
         spec = Capture(capture["values"])
         names = spec.names(num_layers)
-    missing = [name for name in names if name not in kept]
+        for name in names:
+            if name.endswith(f".{SAE_FEATURES}"):
+                Capture(name).resolved(num_layers, kept, 1, torch.float32, saes)  # the SAE held, its rows kept
+    missing = [name for name in names if name not in kept and not name.endswith(f".{SAE_FEATURES}")]
     if missing:
         raise InvalidField(
             f"capture: this server keeps no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; it keeps "
@@ -350,10 +403,18 @@ def read_capture(capture: Any, num_layers: int, kept: Sequence[str]) -> Capture 
     with naming("capture.positions"):
         spec = Capture(spec.values, capture.get("positions", "all"))
     with naming("capture.dtype"):
-        return Capture(spec.values, spec.positions, capture.get("dtype"))
+        spec = Capture(spec.values, spec.positions, capture.get("dtype"))
+    with naming("capture.top_k"):
+        spec = Capture(spec.values, spec.positions, spec.dtype, capture.get("top_k", TOP_K))
+    with naming("capture.features"):
+        spec = Capture(spec.values, spec.positions, spec.dtype, spec.top_k, capture.get("features"))
+        for name in names:
+            if name.endswith(f".{SAE_FEATURES}") and spec.features is not None:
+                Capture(name, features=spec.features).resolved(num_layers, kept, 1, torch.float32, saes)
+    return spec
 
 
 #: The fields of a request's ``capture``.
-CAPTURE_FIELDS = ("values", "positions", "dtype")
+CAPTURE_FIELDS = ("values", "positions", "dtype", "top_k", "features")
 #: Bytes of kept rows one request may ask for unless the server is told otherwise (--max-capture-bytes).
 MAX_CAPTURE_BYTES = 8 * 2**20

@@ -164,7 +164,9 @@ class SteeringHandler:
         for i, engine_input in enumerate(engine_inputs):
             length = len(engine_input["prompt_token_ids"])
             with naming("capture.positions"):
-                wire = capture.resolved(engine.num_layers, engine.capture_values, length, engine.model_config.dtype)
+                wire = capture.resolved(
+                    engine.num_layers, engine.capture_values, length, engine.model_config.dtype, engine.held_saes
+                )
             fed = length + (wanted or context - length) - 1
             itemsize = torch.empty((), dtype=getattr(torch, wire["dtype"])).element_size()
             total += kept_count(wire, fed) * len(wire["values"]) * engine.hidden_size * itemsize
@@ -183,7 +185,7 @@ class SteeringHandler:
         if getattr(request, "use_beam_search", False):
             raise InvalidField("steering is not served with beam search (use_beam_search)", "use_beam_search")
         registered = await self.steering_registry.call("get", sorted(named_vectors(read)))
-        specs = with_vectors(read, registered)
+        specs = with_vectors(read, registered, self.engine_client.saes)
         await asyncio.to_thread(self._check_prompts, specs, engine_inputs)
         return specs
 
@@ -322,7 +324,9 @@ class SteeringEndpoints:
         read = functools.partial(
             read_steering, num_layers=engine.num_layers, hidden_size=engine.hidden_size, max_specs=max_specs
         )
-        capture = functools.partial(read_capture, num_layers=engine.num_layers, kept=engine.capture_values)
+        capture = functools.partial(
+            read_capture, num_layers=engine.num_layers, kept=engine.capture_values, saes=engine.held_saes
+        )
         fields = [
             RequestField(STEERING, STEERING_ROUTES, read),
             RequestField(CAPTURE, CAPTURE_ROUTES, capture, with_activations),
@@ -353,7 +357,7 @@ class SteeringEndpoints:
 def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     """The steered engine's arguments from the parsed command line (vLLM's engine arguments and ours)."""
     arguments = AsyncEngineArgs.from_cli_args(args)
-    return steered_engine_args(arguments, args.steering_rows_per_request, args.capture_values)
+    return steered_engine_args(arguments, args.steering_rows_per_request, args.capture_values, args.sae)
 
 
 @contextlib.asynccontextmanager

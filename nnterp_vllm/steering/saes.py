@@ -15,6 +15,7 @@ when the SAE is loaded, naming what is served.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -182,6 +183,20 @@ class SAE:
     def _weights(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return getattr(self, name).to(like.device)
 
+    def on(self, device: Any) -> SAE:
+        """This SAE with its weights on ``device`` (itself where they are there already; a moved copy is kept)."""
+        device = torch.device(device)
+        if self.W_enc.device == device:
+            return self
+        moved = self.__dict__.get("_moved")
+        if moved is None or moved.W_enc.device != device:
+            tensors = {name: getattr(self, name) for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")}
+            moved = dataclasses.replace(
+                self, **{name: None if t is None else t.to(device) for name, t in tensors.items()}
+            )
+            object.__setattr__(self, "_moved", moved)
+        return moved
+
     def pre_activation(self, stream: torch.Tensor) -> torch.Tensor:
         """``[..., d_sae]``: what SAELens's encoder computes before its activation (float32)."""
         stream = stream.float()
@@ -191,6 +206,23 @@ class SAE:
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             pre = pre * self.decoder_norms().to(pre.device)
         return pre
+
+    def feature_encoder(self, feature: int) -> tuple[torch.Tensor, float, float]:
+        """Feature ``feature``'s encoder as one direction: ``(read, offset, threshold)`` with its pre-activation
+        ``stream . read + offset`` and its activation that pre-activation where it exceeds ``threshold`` (the
+        ReLU's zero, or a JumpReLU's threshold where that is higher), else zero. A TopK SAE's feature is also
+        zero outside the ``k`` largest, which one direction cannot say."""
+        read = self.W_enc[:, feature].clone()
+        offset = self.b_enc[feature]
+        if self.apply_b_dec_to_input:
+            offset = offset - self.b_dec @ read
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            norm = self.decoder_norms()[feature]
+            read, offset = read * norm, offset * norm
+        threshold = 0.0
+        if self.architecture == "jumprelu":
+            threshold = max(0.0, float(self.threshold[feature]))
+        return read, float(offset), threshold
 
     def decoder_norms(self) -> torch.Tensor:
         """``[d_sae]``: each decoder row's norm."""

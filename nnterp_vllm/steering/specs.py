@@ -154,17 +154,122 @@ class Ablate(Cap):
         return f"Ablate(layers={self.layers!r}, positions={self.positions!r})"
 
 
+@dataclass(frozen=True, eq=False)
+class Clamp:
+    """Set feature ``feature`` of the SAE ``sae`` to ``value`` (or scale it by ``scale``) where the stream the SAE
+    reads leaves its block, at ``positions``: the stream ``h`` becomes ``h + (target - f(h)) * d``, ``f(h)`` the
+    feature's activation by the SAE's own encoder (ReLU, JumpReLU or TopK, as SAELens computes it), ``d`` its
+    decoder row and ``target`` ``value`` or ``scale * f(h)``. Where the SAE reconstructs ``h`` exactly its
+    re-encoding reads ``target`` back; otherwise up to what the decoder row also moves in the other features.
+
+    Args:
+        sae: A loaded `SAE` or the path of a SAELens SAE directory (loaded here). A TopK SAE's feature depends on
+            all of them, so the engine it runs on must hold that SAE (``saes=[...]``).
+        feature: The feature's index, ``0 <= feature < d_sae``.
+        value: The activation it is set to (a finite number), or
+        scale: the factor its activation is multiplied by; give exactly one.
+        positions: As `Steering` takes them.
+    """
+
+    sae: Any = field(repr=False)
+    feature: int = 0
+    value: float | None = None
+    scale: float | None = None
+    positions: str | Sequence[int] = "all"
+    what = "Clamp"
+
+    def __post_init__(self) -> None:
+        from .saes import as_sae
+
+        what = self.what
+        sae = as_sae(self.sae, what)
+        object.__setattr__(self, "sae", sae)
+        feature = self.feature
+        if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < sae.d_sae:
+            raise ValueError(f"{what}: feature must be an int in 0..{sae.d_sae - 1} (the SAE's d_sae), got {feature!r}")
+        if (self.value is None) == (self.scale is None):
+            raise ValueError(f"{what}: give value= (the activation the feature is set to) or scale=, exactly one")
+        for name in ("value", "scale"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, arguments.finite_number(getattr(self, name), what, name))
+        object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, what))
+
+    @property
+    def layers(self) -> list[int]:
+        """The block whose output the SAE reads, as a one-block list."""
+        return [self.sae.layer]
+
+    @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """The range the feature's (scaled) activation is clamped to: ``(value, value)``, or unbounded."""
+        return (self.value, self.value) if self.value is not None else (None, None)
+
+    def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
+        """This spec in its engine form (as `Steering.resolved`): the feature's encoder direction, offset and
+        threshold, its decoder row, the target's bounds and scale; a TopK SAE's feature by its index and the
+        SAE's digest (the engine computes it from all of them)."""
+        sae = self.sae
+        what = self.what
+        if sae.layer >= num_layers or sae.d_in != hidden_size:
+            raise ValueError(
+                f"{what}: {sae.path} reads block {sae.layer}'s output, {sae.d_in} wide; this model has {num_layers} "
+                f"blocks, {hidden_size} wide"
+            )
+        read, offset, threshold = sae.feature_encoder(self.feature)
+        entry = _resolved(self, num_layers, hidden_size, prompt_length, read)
+        low, high = self.bounds
+        topk = {"feature": self.feature, "sae": sae.digest} if sae.architecture == "topk" else None
+        return {
+            **entry,
+            "kind": "clamp",
+            "write": sae.decoder_rows()[self.feature].tolist(),
+            "offset": offset,
+            "threshold": threshold,
+            "scale": 1.0 if self.scale is None else self.scale,
+            "min": low,
+            "max": high,
+            "topk": topk,
+        }
+
+
 #: The specs a request may carry.
-SPECS = (Steering, Cap)
+SPECS = (Steering, Cap, Clamp)
+
+
+def feature_change(
+    stream: torch.Tensor,
+    read: torch.Tensor,
+    write: torch.Tensor,
+    low: Any = None,
+    high: Any = None,
+    *,
+    offset: Any = 0.0,
+    threshold: Any = None,
+    scale: Any = 1.0,
+    pre: torch.Tensor | None = None,
+    floor: Any = None,
+) -> torch.Tensor:
+    """What to add to ``stream`` (``[..., hidden]``) to move its activation along ``read`` to its target, along
+    ``write``: the activation ``a`` is ``pre = stream . read + offset`` (or ``pre`` as given), zero unless ``pre >
+    threshold`` and ``pre >= floor``; the target is ``clamp(scale * a, low, high)``; the change ``(target - a) *
+    write``. A cap is ``read = write = u`` with no threshold; an SAE feature's clamp reads its encoder's column and
+    writes its decoder row. Every argument after ``write`` is a number, ``None`` (no bound) or a tensor of the
+    stream's leading shape. In the stream's dtype, computed in float32; pure tensor code."""
+    if pre is None:
+        pre = (stream.float() * read.float()).sum(-1) + offset
+    active = pre
+    if threshold is not None:
+        active = torch.where(pre > threshold, pre, torch.zeros_like(pre))
+    if floor is not None:
+        active = torch.where(pre >= floor, active, torch.zeros_like(active))
+    target = (active * scale).clamp(low, high)
+    return ((target - active).unsqueeze(-1) * write.float()).to(stream.dtype)
 
 
 def projection_change(stream: torch.Tensor, direction: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
     """What to add to ``stream`` (``[..., hidden]``) so that its projection on the unit ``direction`` lies in
-    ``[low, high]`` (numbers, ``None`` for no bound, or tensors of the stream's leading shape): the projection's
-    excess along the direction, taken out. In the stream's dtype, computed in float32; pure tensor code."""
-    direction = direction.float()
-    projection = (stream.float() * direction).sum(-1)
-    return ((projection.clamp(low, high) - projection).unsqueeze(-1) * direction).to(stream.dtype)
+    ``[low, high]`` (`feature_change` reading and writing along the direction)."""
+    return feature_change(stream, direction, direction, low, high)
 
 
 def unit_direction(vector: Any, what: str) -> torch.Tensor:
@@ -176,12 +281,14 @@ def unit_direction(vector: Any, what: str) -> torch.Tensor:
     return (vector.double() / norm).to(vector.dtype)
 
 
-def _resolved(spec: Any, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
-    """What every spec's engine form holds: sorted layer indices, the vector as float32 numbers, the phase or
-    sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
+def _resolved(
+    spec: Any, num_layers: int, hidden_size: int, prompt_length: int, vector: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """What every spec's engine form holds: sorted layer indices, the vector (the spec's own unless given) as
+    float32 numbers, the phase or sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
     what = getattr(spec, "what", WHAT)
     layers = EVERYWHERE if spec.layers == EVERYWHERE else arguments.layer_indices(spec.layers, num_layers, what)
-    vector = arguments.hidden_vector(spec.vector, hidden_size, what, rows=False)
+    vector = arguments.hidden_vector(spec.vector if vector is None else vector, hidden_size, what, rows=False)
     positions = spec.positions
     if not isinstance(positions, str):
         positions = sorted(set(arguments.positions_within(positions, prompt_length, what)))
@@ -203,12 +310,12 @@ def specs_of(steering: Any, where: str = "steering") -> list[Steering | Cap]:
             if not isinstance(spec, SPECS):
                 raise TypeError(
                     f"{WHAT}: {where}[{index}] is a {type(spec).__name__}; a request's steering is None, a Steering "
-                    "(or Cap, Ablate) or a list of them"
+                    "(or Cap, Ablate, Clamp) or a list of them"
                 )
         return list(steering)
     raise TypeError(
-        f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering (or Cap, Ablate) "
-        "or a list of them"
+        f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering (or Cap, Ablate, "
+        "Clamp) or a list of them"
     )
 
 
@@ -224,7 +331,7 @@ def per_prompt(steering: Any, count: int) -> list[list[Steering | Cap]]:
     if isinstance(steering, (list, tuple)) and not all(isinstance(spec, SPECS) for spec in steering):
         raise TypeError(
             f"{WHAT}: steering is a list of {len(steering)} entries for {count} prompt(s), not all of them specs. "
-            f"Give one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate) or a list of "
+            f"Give one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate, Clamp) or a list of "
             "them), or one spec or a list of specs (of any length) that steers every prompt with all of them"
         )
     return [specs_of(steering)] * count
@@ -313,12 +420,12 @@ def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
 
 
 def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> None:
-    """Refuse specs in engine form that would cap or ablate more than `DIRECTIONS_PER_BLOCK` directions on one
+    """Refuse specs in engine form that would cap, ablate or clamp more than `DIRECTIONS_PER_BLOCK` directions on one
     token at one block (the engine's direction slots per row); ``ValueError`` naming the block and the specs."""
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
         per_layer: dict[Any, list[int]] = {}
         for i in indices:
-            if resolved[i]["kind"] == "cap":
+            if resolved[i]["kind"] != "add":
                 layers = resolved[i]["layers"]
                 for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
@@ -326,17 +433,18 @@ def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> Non
             if len(capping) > DIRECTIONS_PER_BLOCK:
                 where = "at every location (layers='all')" if layer == EVERYWHERE else f"at layer {layer}"
                 raise ValueError(
-                    f"{WHAT}: specs {capping} cap or ablate {len(capping)} directions on the same tokens {where}; "
-                    f"the engine applies at most {DIRECTIONS_PER_BLOCK} per token there: ablate their span in fewer "
-                    "directions, or spread them over blocks"
+                    f"{WHAT}: specs {capping} cap, ablate or clamp {len(capping)} directions on the same tokens "
+                    f"{where}; the engine applies at most {DIRECTIONS_PER_BLOCK} per token there: ablate their span "
+                    "in fewer directions, or spread them over blocks or positions"
                 )
 
 
 def _digest(entry: dict[str, Any]) -> str:
-    """What a spec in engine form does, hashed: its kind, layers, factor or bounds, and vector (not its positions)."""
-    vector = entry["vector"]
-    what = [entry["kind"], entry["layers"], entry.get("factor"), entry.get("min"), entry.get("max")]
-    return hashlib.sha256(json.dumps(what).encode() + struct.pack(f"<{len(vector)}f", *vector)).hexdigest()
+    """What a spec in engine form does, hashed: everything but its positions."""
+    vectors = [value for key, value in sorted(entry.items()) if key in ("vector", "write")]
+    what = [[key, value] for key, value in sorted(entry.items()) if key not in ("vector", "write", "positions")]
+    packed = b"".join(struct.pack(f"<{len(vector)}f", *vector) for vector in vectors)
+    return hashlib.sha256(json.dumps(what).encode() + packed).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -376,10 +484,12 @@ __all__ = [
     "EXTRA_ARGS_KEY",
     "Ablate",
     "Cap",
+    "Clamp",
     "HEADROOM",
     "Steering",
     "TokenSets",
     "decode_only",
+    "feature_change",
     "projection_change",
     "per_prompt",
     "request_steering",
