@@ -84,6 +84,7 @@ def main() -> None:
                 tokens = sum(len(output.prompt_token_ids) + len(output.outputs[0].token_ids) for output in outputs)
                 rate = (tokens / wall, tokens / cpu)
                 best[name] = max(best.get(name, (0.0, 0.0)), rate)
+                print(f"  {name}: {rate[0]:.1f} tok/s", flush=True)
     finally:
         llm.shutdown()
     base = best["no capture, no steering"]

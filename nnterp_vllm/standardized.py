@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -23,6 +25,10 @@ from .arguments import LayerSelection, Positions
 from .components import Derived, Layers, Standard, Value, values_of
 from .components.values import require_trace, writable_value
 from .families._layouts import BLOCK_NORMS
+from .steering.saes import SAE, sae_list
+
+#: What ``saes=`` takes: SAELens SAE directories or loaded `SAE` (one, or a list of them), or ``None``.
+SAEs = SAE | str | os.PathLike | Sequence[SAE | str | os.PathLike] | None
 
 #: Family modules by name, for families handed in as module objects that no import can find.
 _FAMILIES: dict[str, Any] = {}
@@ -148,6 +154,70 @@ class ModuleMigration:
         return self if model is None else IndexedModules(model, self.module, self.value)
 
 
+#: The SAEs models of this process hold, by ``(name, digest)``: what a model pickled into an engine's worker in this
+#: process finds them by (weak: a model dropped lets its SAEs go).
+_HELD: weakref.WeakValueDictionary[tuple[str, str], SAE] = weakref.WeakValueDictionary()
+#: The SAEs a worker in another process loaded from their directories, by ``(name, digest)``: kept for the
+#: worker's later traces.
+_LOADED: dict[tuple[str, str], SAE] = {}
+
+
+class HeldSAEs(Mapping[str, SAE]):
+    """The SAEs a model holds (built with ``saes=[...]``), by name; `at` is the one reading a block's output.
+
+    It pickles as where each SAE was loaded from (name, directory, digest), not as its weights, so the model
+    travels into vLLM's workers light: a worker in this process takes the SAEs this process holds; a worker in
+    another process loads each directory once and checks it holds the SAE the client loaded (its digest).
+    """
+
+    def __init__(self, saes: Iterable[SAE] = ()) -> None:
+        self._by_name = {sae.name: sae for sae in saes}
+        self._by_layer = {sae.layer: sae for sae in self._by_name.values()}
+        for sae in self._by_name.values():
+            _HELD[sae.name, sae.digest] = sae
+
+    def at(self, layer: int) -> SAE | None:
+        """The SAE reading block ``layer``'s output, or ``None``."""
+        return self._by_layer.get(layer)
+
+    def __getitem__(self, name: str) -> SAE:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __repr__(self) -> str:
+        return f"HeldSAEs({ {name: f'block {sae.layer}' for name, sae in self._by_name.items()} })"
+
+    def __reduce__(self) -> tuple[Callable[..., HeldSAEs], tuple[list[tuple[str, str, str]]]]:
+        return _held_saes, ([(sae.name, sae.path, sae.digest) for sae in self._by_name.values()],)
+
+
+def _held_saes(entries: list[tuple[str, str, str]]) -> HeldSAEs:
+    """A pickled `HeldSAEs` again: each ``(name, path, digest)`` as the SAE this process holds, else loaded from its
+    directory (once per process) and checked to be the SAE the client loaded."""
+    saes = []
+    for name, path, digest in entries:
+        sae = _HELD.get((name, digest)) or _LOADED.get((name, digest))
+        if sae is None:
+            sae = SAE.load(path, name)
+            if sae.digest != digest:
+                raise ValueError(f"saes: {path} changed on disk since the model was built with it; build it again")
+            _LOADED[name, digest] = sae
+        saes.append(sae)
+    return HeldSAEs(saes)
+
+
+class _Unbuilt:
+    """What a `Size` reads of a model before it is built: its config and its family."""
+
+    def __init__(self, config: Any, family: Any) -> None:
+        self.config, self.family = config, family
+
+
 def _next_token_probs(model: Standardized) -> torch.Tensor:
     return torch.softmax(model.logits[:, -1, :].float(), dim=-1)
 
@@ -253,8 +323,10 @@ class Standardized:
         envoys: dict[Any, type] | None,
         kwargs: dict[str, Any],
         base_envoys: dict[Any, type],
+        saes: SAEs = None,
     ) -> dict[str, dict]:
-        """Read the config, settle the family, and merge the ``rename``/``envoys`` maps nnsight gets.
+        """Read the config, settle the family, load and check the SAEs the model holds (``saes``), and merge the
+        ``rename``/``envoys`` maps nnsight gets; all before any weights load.
 
         Later keys win: for ``rename`` the block-norm spellings every family shares (`BLOCK_NORMS`), then
         the family's, then the caller's, and the final norm answers to ``ln_final`` too; for ``envoys``
@@ -263,10 +335,27 @@ class Standardized:
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         family = family or families.lookup(self._model_type(config), engine=self.ENGINE)
         self._serve_with(family)
+        self._hold_saes(saes, config)
         return {
             "rename": standard_rename(family, rename),
             "envoys": {**base_envoys, "layers": Layers, **family.ENVOYS, **(envoys or {})},
         }
+
+    def _hold_saes(self, saes: SAEs, config: Any) -> None:
+        """Hold ``saes`` (paths of SAELens directories or loaded `SAE`), loaded and checked by `sae_list` against
+        the sizes ``config`` gives this model (its family's rule first), before the model is built."""
+        before_build = _Unbuilt(config, self.family)
+        num_layers, hidden_size = (
+            getattr(type(self), size).__get__(before_build) for size in ("num_layers", "hidden_size")
+        )
+        self._saes = HeldSAEs(sae_list(saes, num_layers, hidden_size))
+
+    @property
+    def saes(self) -> HeldSAEs:
+        """The SAEs this model holds (built with ``saes=[...]``), by name: ``model.saes["name"]``;
+        ``model.saes.at(layer)`` is the one reading block ``layer``'s output (its ``sae_features``), or ``None``."""
+        held = self.__dict__.get("_saes")
+        return held if held is not None else HeldSAEs()
 
     @staticmethod
     def _model_type(config: Any) -> str:
@@ -371,6 +460,55 @@ class Standardized:
 
         require_trace("ablate")
         self._apply_direction(Ablate(vector, layers), positions, batch_index)
+
+    def clamp(
+        self,
+        sae: SAE | str | os.PathLike,
+        feature: int,
+        value: float | None = None,
+        scale: float | None = None,
+        positions: Positions = None,
+        batch_index: int | Iterable[int] | None = None,
+    ) -> None:
+        """Set feature ``feature`` of the SAE ``sae`` to ``value`` (or multiply it by ``scale``; give exactly one)
+        where the stream it reads leaves its block, at ``positions`` (all by default) and ``batch_index`` rows (as
+        `steer` takes them): the stream ``h`` becomes ``h + (target - a) * d``, ``a`` the feature's activation by
+        the SAE's own encoder (``sae.encode(h)[..., feature]``, as SAELens computes it), ``d`` its decoder row
+        (``sae.decoder_rows()[feature]``) and ``target`` ``value`` or ``scale * a``. ``sae`` is the name of an SAE
+        the model holds (``saes=[...]``), a loaded `SAE` or a SAELens SAE directory. What `nnterp_vllm.Clamp` does
+        inside the steered engine. Call inside a trace, before the SAE's block runs."""
+        from .steering.specs import Clamp, feature_change
+
+        require_trace("clamp")
+        spec = Clamp(self._sae_named(sae), feature, value, scale)
+        sae = spec.sae
+        if sae.layer >= self.num_layers or sae.d_in != self.hidden_size:
+            raise ValueError(
+                f"clamp: {sae.path} reads block {sae.layer}'s output, {sae.d_in} wide; this model has "
+                f"{self.num_layers} blocks, {self.hidden_size} wide"
+            )
+        low, high = spec.bounds if spec.value is not None else (-math.inf, math.inf)
+        factor = 1.0 if spec.scale is None else spec.scale
+
+        def clamped(selected: torch.Tensor) -> torch.Tensor:
+            on = sae.on(selected.device)
+            row = on.decoder_rows()[spec.feature]
+            active = on.encode(selected)[..., spec.feature]
+            return selected + feature_change(selected, row, row, low, high, scale=factor, pre=active)
+
+        block = self.layers[sae.layer]
+        self._edit_stream("clamp", [(block, type(block).layer_output)], positions, batch_index, clamped)
+
+    def _sae_named(self, sae: Any) -> Any:
+        """``sae`` as `clamp` takes it: the held SAE of that name, else as given (a loaded SAE or a directory)."""
+        if not isinstance(sae, str):
+            return sae
+        if sae in self.saes:
+            return self.saes[sae]
+        if not os.path.isdir(sae):
+            held = ", ".join(repr(name) for name in self.saes) or "none (build the model with saes=[...])"
+            raise ValueError(f"clamp: {sae!r} is neither an SAE this model holds nor an SAE directory; it holds {held}")
+        return sae
 
     def _apply_direction(self, spec: Any, positions: Positions, batch_index: Any) -> None:
         """A checked `Cap` (or `Ablate`) applied where it names, by `_edit_stream`."""

@@ -81,8 +81,6 @@ def test_the_package_imports_point_one_way():
         reaches(module, (module,))
 
 
-
-
 def test_import_loads_no_modeling_code_and_lookup_loads_one_family():
     code = (
         "import sys, nnterp_vllm\n"

@@ -154,3 +154,41 @@ def test_a_clamp_is_checked_as_it_is_made_and_against_the_model(tmp_path):
         Clamp([1.0], 1, value=1.0)
     with pytest.raises(ValueError, match="reads block 2's output, 16 wide; this model has 2 blocks, 16 wide"):
         clamp.resolved(num_layers=2, hidden_size=HIDDEN, prompt_length=5)
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_a_harvest_of_sae_features_holds_saelens_encoding_and_names_the_sae(tmp_path, engine):
+    """``layers.1.sae_features`` harvested from a checkpoint built with ``saes=[...]`` (``model_kwargs``): each
+    document's rows are SAELens's ``encode`` of transformers' stream leaving block 1, and the manifest names the
+    SAE (on vLLM the nnsight path reads them)."""
+    import tiny
+
+    from nnterp_vllm import harvest
+
+    path = tiny.checkpoint("llama")
+    theirs = reference.saelens_sae(tmp_path / "sae", "jumprelu", "blocks.1.hook_resid_post", 128, stream_scale=0.07)
+    documents = ["The quick brown fox jumps", "A cup of coffee in the morning"]
+    options = {"dtype": "float32", "max_model_len": 128} if engine == "vllm" else {}
+    kept = harvest(
+        path,
+        documents,
+        ["layers.1.sae_features", "layers.1.layer_output"],
+        tmp_path / "out",
+        engine=engine,
+        model_kwargs={"saes": [tmp_path / "sae"], **options},
+        progress=False,
+    )
+    entry = kept.manifest["values"]["layers.1.sae_features"]
+    assert entry["shape"] == [64] and entry["sae"]["digest"] == SAE.load(tmp_path / "sae").digest
+    assert entry["sae"]["hook"] == "blocks.1.hook_resid_post"
+    features = kept.load("layers.1.sae_features")
+    model = reference.load(path)
+    token_ids, owners = kept.load("token_ids"), kept.load("documents")
+    expected = []
+    for document in range(len(documents)):
+        stream = reference.block_outputs(model, token_ids[owners == document].tolist(), [1])[1]
+        with torch.no_grad():
+            expected.append(theirs.encode(stream))
+    expected = torch.cat(expected)
+    assert features.shape == expected.shape and (expected > 0).any()
+    torch.testing.assert_close(features.float(), expected, atol=1e-4, rtol=1e-4)

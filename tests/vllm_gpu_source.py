@@ -138,8 +138,11 @@ def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[Parame
     positional = [*arguments.posonlyargs, *arguments.args]
     first_default = len(positional) - len(arguments.defaults)
     found = [
-        Parameter(argument.arg, POSITIONAL_ONLY if index < len(arguments.posonlyargs) else POSITIONAL_OR_KEYWORD,
-                  index >= first_default)
+        Parameter(
+            argument.arg,
+            POSITIONAL_ONLY if index < len(arguments.posonlyargs) else POSITIONAL_OR_KEYWORD,
+            index >= first_default,
+        )
         for index, argument in enumerate(positional)
     ]
     if arguments.vararg:
@@ -174,8 +177,13 @@ def accepts(override: Sequence[Parameter], base: Sequence[Parameter]) -> bool:
     for index, parameter in enumerate(p for p in base if p.kind <= POSITIONAL_OR_KEYWORD):
         if index >= len(positional) and VAR_POSITIONAL not in kinds:
             return False
-        if parameter.kind == POSITIONAL_OR_KEYWORD and VAR_KEYWORD not in kinds and (
-            parameter.name not in by_keyword or (index < len(positional) and positional[index].name != parameter.name)
+        if (
+            parameter.kind == POSITIONAL_OR_KEYWORD
+            and VAR_KEYWORD not in kinds
+            and (
+                parameter.name not in by_keyword
+                or (index < len(positional) and positional[index].name != parameter.name)
+            )
         ):
             return False
     for parameter in base:

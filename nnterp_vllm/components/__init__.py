@@ -4,6 +4,7 @@ from .attention import INTERFACE, Attention, GatedAttention, HeadOutputs, needs_
 from .layer import Layer
 from .mixer import Mixer
 from .mlp import Mlp
+from .sae import SaeFeatures
 from .standard import Layers, Standard
 from .values import FIRST, WHOLE, Delegate, Derived, Scaled, Value, first_tensor, unavailable, values_of
 
@@ -20,6 +21,7 @@ __all__ = [
     "Layers",
     "Mixer",
     "Mlp",
+    "SaeFeatures",
     "Scaled",
     "Standard",
     "Value",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .mixer import MixerOutput
+from .sae import SaeFeatures
 from .standard import Standard
 from .values import Delegate, Value
 
@@ -14,7 +15,8 @@ class Layer(Standard):
     sequential or parallel. A family whose contribution lives elsewhere (a post-norm, a
     call inside the block) points ``attention_output`` / ``mlp_output`` there. A block whose
     token mixer is not attention (a state-space scan, a convolution) has a ``mixer`` module
-    instead, and ``layer_output == layer_input + mixer_output + mlp_output``.
+    instead, and ``layer_output == layer_input + mixer_output + mlp_output``. ``sae_features`` are the
+    features of the SAE the model holds at the block (``saes=[...]``), encoded from ``layer_output``.
     """
 
     layer_input = Value("input", description="The residual stream entering the block [batch, seq, hidden]")
@@ -26,4 +28,7 @@ class Layer(Standard):
     mlp_output = Delegate("mlp", "mlp_output", description="What the MLP sublayer adds to the residual stream")
     mixer_output = MixerOutput(
         description="What the token-mixing sublayer adds: the block's recurrent mixer's output, else attention_output"
+    )
+    sae_features = SaeFeatures(
+        description="The features of the SAE reading the block's output, encoded from layer_output [batch, seq, d_sae]"
     )

@@ -377,6 +377,7 @@ class Layer(Standard):
     )
     mlp_output = Delegate("mlp", "mlp_output", description="What the MLP sublayer adds to the residual stream")
     mixer_output = BaseLayer.mixer_output
+    sae_features = BaseLayer.sae_features
 
 
 class DualStreamLayer(Layer):

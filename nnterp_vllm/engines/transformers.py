@@ -10,7 +10,7 @@ from nnsight import TransformersModel
 
 from .. import arguments, dtypes, families, nnterp_options
 from ..families import default
-from ..standardized import Standardized, max_positions
+from ..standardized import SAEs, Standardized, max_positions
 from . import saving
 from .tensor_parallel import as_distributed_config, check_heads_split, transformers_degree
 from .tracing import Tracer, one_forward_pass, refuse_generation_arguments, warn_mediators_wrote_parameters
@@ -24,6 +24,9 @@ class StandardizedTransformer(Standardized, TransformersModel):
         family: A family module to serve the model with, skipping the lookup by model_type.
         rename: Extra ``{native_path: standard_name}`` aliases; they win over the family's.
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
+        saes: SAEs the model holds, one per block (paths of SAELens SAE directories or loaded `SAE`): each
+            block one reads serves ``sae_features``, and `clamp` takes them by name (`sae_list` checks them,
+            before any weights load).
         **kwargs: For nnsight's ``TransformersModel`` and ``from_pretrained``. Unless given,
             ``attn_implementation="eager"`` (so the attention pattern exists) and
             ``task="text-generation"`` (so nothing asks the hub for it). A checkpoint loads in its own dtype
@@ -51,6 +54,7 @@ class StandardizedTransformer(Standardized, TransformersModel):
         family: ModuleType | None = None,
         rename: dict[str, str] | None = None,
         envoys: dict[Any, type] | None = None,
+        saes: SAEs = None,
         **kwargs: Any,
     ) -> None:
         from nnsight.modeling.tp.envoys import tp_envoys, wants_tensor_parallel
@@ -62,7 +66,7 @@ class StandardizedTransformer(Standardized, TransformersModel):
             config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
             check_heads_split(config, degree, replicated_kv=False)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
-        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base)
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base, saes)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
             _loading_dtype(checkpoint, kwargs)

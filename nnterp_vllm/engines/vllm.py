@@ -36,7 +36,7 @@ from ..components.vllm import (
     gathered,
 )
 from ..errors import UnavailableValue, UnsupportedFamily
-from ..standardized import Standardized, family_gaps
+from ..standardized import SAEs, Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
 from .tensor_parallel import check_heads_split
@@ -196,6 +196,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         family: A vLLM family module, skipping the lookup by model_type.
         rename: Extra ``{native_path: standard_name}`` aliases; they win over the family's.
         envoys: Extra ``{module type or path: Envoy subclass}`` entries; they win over the family's.
+        saes: SAEs the model holds, one per block (paths of SAELens SAE directories or loaded `SAE`), as on
+            transformers; checked before the engine starts. They travel into vLLM's workers by directory and digest.
         **kwargs: For nnsight's ``VLLM`` and ``vllm.LLM`` (``dtype``, ``tensor_parallel_size``, ...).
             The model loads in the checkpoint's own dtype, as on transformers (`dtypes`: its config's, else
             its weights', else float32; never vLLM's ``"auto"`` step down from float32 to bfloat16), unless
@@ -238,6 +240,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         family: ModuleType | None = None,
         rename: dict[str, str] | None = None,
         envoys: dict[Any, type] | None = None,
+        saes: SAEs = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("enable_prefix_caching"):
@@ -248,7 +251,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
-        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys())
+        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys(), saes)
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         check_heads_split(config, self._tensor_parallel_size, replicated_kv=True)

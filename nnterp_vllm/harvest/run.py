@@ -202,12 +202,16 @@ def _check_format(
 
 
 def _value_entries(selections: list[Selection], model: Any, context_length: int | None, format: str) -> dict:
-    """The manifest's ``values``: each value's per-token shape and module path (and, for sae-lens, its column)."""
+    """The manifest's ``values``: each value's per-token shape and module path (and, for sae-lens, its column; for
+    an SAE's features, the SAE: its name, directory, hook and digest)."""
     entries: dict[str, dict[str, Any]] = {}
     columns: dict[str, str] = {}
     for selection in selections:
         module = model.module_path(selection) if isinstance(model, EngineHarvester) else selection.module_path(model)
         entry = {"shape": token_shape(selection, model, context_length), "module": module}
+        if selection.value == "sae_features":
+            sae = model.saes.at(selection.layer)
+            entry["sae"] = {"name": sae.name, "path": sae.path, "hook": sae.hook, "digest": sae.digest}
         if format == "sae-lens":
             if module is None:
                 raise ValueError(

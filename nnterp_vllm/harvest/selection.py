@@ -263,4 +263,6 @@ def token_shape(selection: Selection, model: Any, context_length: int | None) ->
         return [model.num_experts]
     if value in ("expert_indices", "expert_weights"):
         return [model.num_experts_per_token]
+    if value == "sae_features":
+        return [model.saes.at(selection.layer).d_sae]
     return [model.hidden_size]

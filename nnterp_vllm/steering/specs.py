@@ -262,7 +262,9 @@ def feature_change(
         active = torch.where(pre > threshold, pre, torch.zeros_like(pre))
     if floor is not None:
         active = torch.where(pre >= floor, active, torch.zeros_like(active))
-    target = (active * scale).clamp(low, high)
+    target = active * scale
+    if low is not None or high is not None:
+        target = target.clamp(low, high)
     return ((target - active).unsqueeze(-1) * write.float()).to(stream.dtype)
 
 
