@@ -26,7 +26,7 @@ from vllm import SamplingParams
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
 from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
-from nnterp_vllm.engines.steering_table import SteeringTable
+from nnterp_vllm.engines.steering_table import PARAMS, SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
 from nnterp_vllm.steering.specs import DIRECTIONS_PER_BLOCK
 
@@ -316,9 +316,10 @@ def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path)
     element = config.model_config.dtype.itemsize
     assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
     rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
-    slots = 1 + DIRECTIONS_PER_BLOCK  # each row's added vector and directions, and the directions' float32 bounds
+    slots = 1 + 2 * DIRECTIONS_PER_BLOCK  # each row's added vector, each direction's read and write directions
     entries = layers + 1  # each block's and the directions ablated everywhere
-    assert on_gpu["steering table"] == entries * rows * (slots * hidden * element + DIRECTIONS_PER_BLOCK * 8) + 4096 * 8
+    per_row = slots * hidden * element + DIRECTIONS_PER_BLOCK * PARAMS * 4  # and the directions' float32 parameters
+    assert on_gpu["steering table"] == entries * rows * per_row + 4096 * 8
     table = SteeringTable(  # the buffers the engine allocates are the ones sized
         entries, rows, 4096, hidden, config.model_config.dtype, "cpu"
     )
