@@ -175,11 +175,6 @@ class SAE:
         """The width of the stream it reads."""
         return self.W_enc.shape[0]
 
-    @property
-    def selector(self) -> str:
-        """Its features' name as a harvest or capture selects them."""
-        return f"layers.{self.layer}.sae_features"
-
     def _weights(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return getattr(self, name).to(like.device)
 
