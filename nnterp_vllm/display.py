@@ -130,7 +130,8 @@ def plot_sweep_scores(
     table: Sequence[dict], score: str, file: str | Path | None = None, vector: str | None = None
 ) -> Any:
     """A plot of ``score`` (a score column's name, ``"score: <name>"`` or ``<name>``) against factor, a line per
-    layer set, averaged over prompts; the baseline as a dashed line. Returns the matplotlib ``Figure``."""
+    layer set, averaged over prompts; the baseline as a dashed line, a cell no factor changes (an ablation) as a
+    dotted one. Returns the matplotlib ``Figure``."""
     column = score if score.startswith("score: ") else f"score: {score}"
     rows = [row for row in table if column in row]
     if not rows:
@@ -139,12 +140,19 @@ def plot_sweep_scores(
     figure = _figure_class()(figsize=(6, 4))
     axes = figure.add_subplot()
     lines: dict[tuple, dict[float, list[float]]] = {}
+    levels: dict[tuple, list[float]] = {}
     for row in steered:
-        lines.setdefault((row["vector"], tuple(row["layers"])), {}).setdefault(row["factor"], []).append(row[column])
-    for (name, layers), points in sorted(lines.items()):
+        at = row["layers"] if isinstance(row["layers"], str) else ", ".join(map(str, row["layers"]))
+        if row["factor"] is None:  # a cell no factor changes (an ablation): a level across the factors
+            levels.setdefault((row["vector"], at), []).append(row[column])
+        else:
+            lines.setdefault((row["vector"], at), {}).setdefault(row["factor"], []).append(row[column])
+    for (name, at), points in sorted(lines.items()):
         factors = sorted(points)
         means = [sum(points[f]) / len(points[f]) for f in factors]
-        axes.plot(factors, means, marker="o", label=f"{name} @ layers {', '.join(map(str, layers))}")
+        axes.plot(factors, means, marker="o", label=f"{name} @ layers {at}")
+    for (name, at), values in sorted(levels.items()):
+        axes.axhline(sum(values) / len(values), linestyle=":", label=f"{name} @ layers {at}")
     baseline = [row[column] for row in rows if row["vector"] is None]
     if baseline:
         axes.axhline(sum(baseline) / len(baseline), linestyle="--", color="grey", label="unsteered")

@@ -162,3 +162,18 @@ def saelens_sae(
             sae.threshold.copy_(torch.rand(d_sae, generator=generator) * 0.5)
     sae.save_model(str(directory))
     return sae.eval()
+
+
+def intervene(model: Any, layer: int | str, spec: Any, positions: Any = None) -> None:
+    """One spec (`Steering`, `Clamp`, `Ablate`, `Cap`) applied at one block in a trace, as the README writes
+    each kind."""
+    from nnterp_vllm import Ablate, Clamp, Steering
+
+    if isinstance(spec, Steering):
+        model.steer(layer, spec.vector, spec.factor, positions=positions)
+    elif isinstance(spec, Clamp):
+        model.clamp(spec.sae, spec.feature, spec.value, spec.scale, positions=positions)
+    elif isinstance(spec, Ablate):
+        model.ablate(layer, spec.vector, positions=positions)
+    else:
+        model.cap(layer, spec.vector, min=spec.min, max=spec.max, positions=positions)

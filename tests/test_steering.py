@@ -121,18 +121,6 @@ def phase_positions(phase, prompt_length: int, fed: int) -> list[int]:
     return sorted({position % prompt_length for position in phase})
 
 
-def intervene(model, layer: int, spec, positions=None) -> None:
-    """One spec applied at one block in a trace, as the README writes each kind."""
-    if isinstance(spec, Steering):
-        model.steer(layer, spec.vector, spec.factor, positions=positions)
-    elif isinstance(spec, Clamp):
-        model.clamp(spec.sae, spec.feature, spec.value, spec.scale, positions=positions)
-    elif isinstance(spec, Ablate):
-        model.ablate(layer, spec.vector, positions=positions)
-    else:
-        model.cap(layer, spec.vector, min=spec.min, max=spec.max, positions=positions)
-
-
 def selection_named(name: str) -> Selection:
     parts = name.split(".", 2)
     return Selection(None, name) if parts[0] != "layers" else Selection(int(parts[1]), parts[2])
@@ -156,7 +144,7 @@ def forced_values(model, prompt_ids: list[int], generated: list[int], specs, nam
         for _, step in sorted(steps, key=lambda item: item[0]):
             if isinstance(step, int):
                 for spec, positions in steered[step]:
-                    intervene(model, step, spec, positions)
+                    reference.intervene(model, step, spec, positions)
                 continue
             host = model if step.layer is None else model.layers[step.layer]
             for part in step.key.split("."):
@@ -198,9 +186,9 @@ def greedy_generation(model, prompt: str, specs: list[Steering]) -> tuple[list[i
                 spec = specs[index]
                 phase = "prompt" if step == 0 else "generated"
                 if spec.positions in ("all", phase):
-                    intervene(model, layer, spec)
+                    reference.intervene(model, layer, spec)
                 elif step == 0 and not isinstance(spec.positions, str):
-                    intervene(model, layer, spec, spec.positions)
+                    reference.intervene(model, layer, spec, spec.positions)
             probabilities.append(model.next_token_probs)
     rows = torch.cat([p.reshape(1, -1) for p in probabilities]).float()
     tokens = rows.argmax(-1)

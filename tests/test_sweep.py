@@ -10,11 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import reference
 import tiny
 import torch
 from vllm import SamplingParams
 
-from nnterp_vllm import StandardizedTransformer, SteeredVLLM, Steering, sweep
+from nnterp_vllm import SAE, Ablate, Cap, Clamp, StandardizedTransformer, SteeredVLLM, Steering, sweep
 from nnterp_vllm.display import plot_sweep_scores
 from nnterp_vllm.steering.sweeps import COLUMNS, read_grid, scoring_positions
 
@@ -94,17 +95,64 @@ def test_rows_equal_separate_generate_calls_and_scores_equal_transformers(engine
 
 
 def transformers_logprob(model: StandardizedTransformer, prompt: str, target: str, specs) -> torch.Tensor:
-    """The summed log-probability of ``target`` after ``prompt``, each spec steered where the model would steer a
-    generated ``target``: the target's positions."""
+    """The summed log-probability of ``target`` after ``prompt``, each spec applied where the model would apply it
+    to a generated ``target``: the target's positions."""
     prompt_ids = model.tokenizer(prompt)["input_ids"]
     target_ids = model.tokenizer(target, add_special_tokens=False)["input_ids"]
     where = scoring_positions("generated", len(prompt_ids), len(target_ids))
-    with model.trace(prompt_ids + target_ids):
-        for spec in specs or []:
-            model.steer(spec.layers, spec.vector, spec.factor, positions=where)
+    with model.trace(prompt_ids + target_ids):  # in the order the blocks run; an ablation everywhere last
+        for spec in sorted(specs or [], key=lambda spec: (spec.layers == "all", spec.layers)):
+            for layer in [spec.layers] if spec.layers == "all" else spec.layers:
+                reference.intervene(model, layer, spec, where)
         logits = model.logits.save()
     logprobs = torch.log_softmax(logits[0].float(), -1)
     return sum(logprobs[len(prompt_ids) + i - 1, token] for i, token in enumerate(target_ids))
+
+
+def test_caps_clamps_and_ablations_sweep_by_their_bounds_and_values_and_score_as_transformers(
+    engine, vectors, path, tmp_path
+):
+    reference.saelens_sae(tmp_path / "sae", "standard", "blocks.1.hook_resid_post", 128, seed=5, stream_scale=0.07)
+    sae = SAE.load(tmp_path / "sae")
+    grid = {
+        "ablated": Ablate(vectors["up"]),  # every residual-stream location; no factor changes it
+        "capped": Cap(vectors["down"], layers=[1, 2], max=0.02),
+        "clamped": [Clamp(sae, 3, value=4.0), Steering(0, vectors["up"], factor=0.5)],
+    }
+    params = SamplingParams(**GREEDY)
+    table = sweep(engine, PROMPTS, grid, [], [1.0, -2.0], params, score=TARGETS, positions="generated")
+    assert len(table) == len(PROMPTS) * (1 + 1 + 2 + 2)
+    cells = {(row["vector"], row["factor"]): row["layers"] for row in table}
+    assert cells == {
+        (None, 0.0): None,
+        ("ablated", None): "all",
+        **{("capped", factor): [1, 2] for factor in (1.0, -2.0)},
+        **{("clamped", factor): [0, 1] for factor in (1.0, -2.0)},
+    }
+    expected = {  # each cell's specs, written out: a cap's bounds and a clamp's value times the factor
+        ("ablated", None): [Ablate(vectors["up"], positions="generated")],
+        ("capped", 1.0): [Cap(vectors["down"], [1, 2], max=0.02, positions="generated")],
+        ("capped", -2.0): [Cap(vectors["down"], [1, 2], min=-0.04, positions="generated")],
+        ("clamped", 1.0): [Clamp(sae, 3, 4.0, positions="generated"), Steering(0, vectors["up"], 0.5, "generated")],
+        ("clamped", -2.0): [Clamp(sae, 3, -8.0, positions="generated"), Steering(0, vectors["up"], -1.0, "generated")],
+    }
+    hf = StandardizedTransformer(path)
+    for row in table:
+        specs = expected.get((row["vector"], row["factor"]))
+        (alone,) = engine.generate(row["prompt"], params, specs)
+        assert row["token_ids"] == list(alone.outputs[0].token_ids)
+        for label, target in TARGETS.items():
+            torch.testing.assert_close(
+                torch.tensor(row[f"score: {label}"]),
+                transformers_logprob(hf, row["prompt"], target, specs),
+                atol=1e-3,
+                rtol=1e-4,
+            )
+    baseline = {row["prompt"]: row["score: A"] for row in table if row["vector"] is None}
+    for name in ("ablated", "capped", "clamped"):  # each kind moves the scores off the baseline
+        assert any(abs(row["score: A"] - baseline[row["prompt"]]) > 1e-3 for row in table if row["vector"] == name)
+    figure = plot_sweep_scores(table, "A")
+    assert len(figure.axes[0].lines) == 4  # the cap's and the clamp's lines, the ablation's level, the baseline
 
 
 def test_the_cli_runs_a_grid_file_to_json_lines(path, vectors, tmp_path):
@@ -158,3 +206,29 @@ def test_a_bad_grid_file_names_the_file_and_the_key(tmp_path):
     (tmp_path / "vector.json").write_text(json.dumps({"prompts": ["a"], "vectors": {"v": 3}, "factors": [1]}))
     with pytest.raises(ValueError, match="vectors.v is a list of floats, a file path"):
         read_grid(tmp_path / "vector.json")
+
+
+def test_a_grid_file_gives_specs_by_kind_and_refuses_a_bad_one_naming_the_entry(tmp_path):
+    reference.saelens_sae(tmp_path / "sae", "standard", "blocks.1.hook_resid_post", 8)
+    entries = {
+        "off": {"kind": "ablate", "vector": [1.0] + [0.0] * 7},
+        "low": {"kind": "cap", "vector": [0.0, 2.0] + [0.0] * 6, "layers": [1], "max": 0.5},
+        "feature": {"kind": "clamp", "sae": "sae", "feature": 3, "scale": 2.0},
+        "up": {"kind": "add", "vector": [1.0] * 8, "layers": 2, "factor": 3.0},
+    }
+    (tmp_path / "grid.yaml").write_text(json.dumps({"prompts": ["a"], "vectors": entries, "factors": [1]}))
+    read = read_grid(tmp_path / "grid.yaml")["vectors"]
+    assert isinstance(read["off"], Ablate) and read["off"].layers == "all" and read["off"].vector[0] == 1.0
+    low = read["low"]
+    assert isinstance(low, Cap) and (low.layers, low.max, float(low.vector[1])) == ([1], 0.5, 1.0)
+    assert (read["feature"].sae.layer, read["feature"].feature, read["feature"].scale) == (1, 3, 2.0)
+    assert isinstance(read["up"], Steering) and (read["up"].layers, read["up"].factor) == ([2], 3.0)
+    for entry, message in [
+        ({"kind": "steer", "vector": [1.0]}, "vectors.bad.kind must be one of add, ablate, cap, clamp, got 'steer'"),
+        ({"kind": "cap", "vector": [1.0], "layers": [1], "factor": 2}, r"vector, layers, min, max, not \['factor'\]"),
+        ({"kind": "cap", "vector": [1.0], "layers": [1]}, "vectors.bad: Cap: give min, max or both"),
+        ({"kind": "clamp", "sae": "nowhere", "feature": 0, "value": 1.0}, "vectors.bad: .*nowhere"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps({"prompts": ["a"], "vectors": {"bad": entry}, "factors": [1]}))
+        with pytest.raises(ValueError, match=message):
+            read_grid(tmp_path / "bad.json")

@@ -22,7 +22,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,8 +41,16 @@ DIRECTIONS_PER_BLOCK = 2
 EXTRA_ARGS_KEY = "nnterp_vllm_steering"
 
 
+class Placed:
+    """What every spec can be asked for: itself at other positions."""
+
+    def at_positions(self, positions: str | Sequence[int]) -> Placed:
+        """This spec acting at ``positions`` (as `Steering` takes them) instead of its own."""
+        return replace(self, positions=positions)
+
+
 @dataclass(frozen=True, eq=False)
-class Steering:
+class Steering(Placed):
     """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions``.
 
     Args:
@@ -74,9 +82,13 @@ class Steering:
         phase or sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
         return {**_resolved(self, num_layers, hidden_size, prompt_length), "kind": "add", "factor": self.factor}
 
+    def scaled(self, factor: float) -> Steering:
+        """This spec with its factor times ``factor``."""
+        return replace(self, factor=self.factor * factor)
+
 
 @dataclass(frozen=True, eq=False)
-class Cap:
+class Cap(Placed):
     """Clamp the residual stream's projection on the direction ``vector`` (unit-normalised here) to
     ``[min, max]`` where it leaves ``layers``, at ``positions``: the stream ``h`` becomes
     ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound may be left out (``None``), not both.
@@ -125,6 +137,11 @@ class Cap:
         entry = _resolved(self, num_layers, hidden_size, prompt_length)
         return {**entry, "kind": "cap", "min": self.min, "max": self.max}
 
+    def scaled(self, factor: float) -> Cap:
+        """This cap with both bounds times ``factor`` (a negative factor swaps them)."""
+        low, high = (None if bound is None else bound * factor for bound in (self.min, self.max))
+        return replace(self, min=high, max=low) if factor < 0 else replace(self, min=low, max=high)
+
 
 class Ablate(Cap):
     """Remove the direction ``vector`` (unit-normalised here) from the residual stream, at ``positions``: the
@@ -153,9 +170,17 @@ class Ablate(Cap):
     def __repr__(self) -> str:
         return f"Ablate(layers={self.layers!r}, positions={self.positions!r})"
 
+    def at_positions(self, positions: str | Sequence[int]) -> Ablate:
+        """This ablation at ``positions`` instead of its own."""
+        return Ablate(self.vector, self.layers, positions)
+
+    def scaled(self, factor: float) -> Ablate:
+        """This ablation: it removes the whole direction whatever the factor."""
+        return self
+
 
 @dataclass(frozen=True, eq=False)
-class Clamp:
+class Clamp(Placed):
     """Set feature ``feature`` of the SAE ``sae`` to ``value`` (or scale it by ``scale``) where the stream the SAE
     reads leaves its block, at ``positions``: the stream ``h`` becomes ``h + (target - f(h)) * d``, ``f(h)`` the
     feature's activation by the SAE's own encoder (ReLU, JumpReLU or TopK, as SAELens computes it), ``d`` its
@@ -230,6 +255,12 @@ class Clamp:
             "max": high,
             "topk": topk,
         }
+
+    def scaled(self, factor: float) -> Clamp:
+        """This clamp with its value (or its scale) times ``factor``."""
+        if self.value is not None:
+            return replace(self, value=self.value * factor)
+        return replace(self, scale=self.scale * factor)
 
 
 #: The specs a request may carry.

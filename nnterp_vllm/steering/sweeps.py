@@ -1,12 +1,13 @@
 """`sweep`: a steering experiment's whole grid (vectors x layers x factors x prompts) as one batch on `SteeredVLLM`.
 
-Each cell is a request steered by one vector at some layers with one factor; each prompt's unsteered baseline
-runs once. With ``score``, each cell also asks for the summed log-probability of each target continuation
-after the prompt (the A/B-answer scoring of contrastive activation addition's evaluations): a request of the
-prompt followed by the target, steered where the cell's steering would act had the model generated the target
+Each cell is a request steered by one vector at some layers with one factor (or by specs of any kind, scaled by
+the factor: a cap's bounds, a clamp's value; an ablation once); each prompt's unsteered baseline runs once. With
+``score``, each cell also asks for the summed log-probability of each target continuation after the prompt (the
+A/B-answer scoring of contrastive activation addition's evaluations): a request of the prompt followed by the
+target, steered where the cell's steering would act had the model generated the target
 itself, whose prompt log-probabilities give it, in the same batch. The result is a `SweepTable`: a list of
 rows, a pandas ``DataFrame`` (``.frame``) where pandas is installed, and ``.to_jsonl``;
-`display.plot_sweep_scores` draws a score against the factor, a line per layer set.
+`display.plot_sweep_scores` draws a score against the factor, a line per layer set (an ablation's a level).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from .. import arguments
 from .sources import load_steering
-from .specs import Steering
+from .specs import EVERYWHERE, SPECS, Ablate, Cap, Clamp, Steering
 
 WHAT = "sweep"
 #: The columns every row has, before one per score.
@@ -47,12 +48,14 @@ class SweepTable(list):
 
 def grid_specs(
     vectors: Mapping[str, Any], layers: Sequence[Any], factors: Sequence[float], positions: Any
-) -> list[tuple[str, list[int], float, list[Steering]]]:
+) -> list[tuple[str, Any, float | None, list[Any]]]:
     """The grid's cells: ``(vector name, layers, factor, specs)``. A vector given as a ``[hidden]`` tensor (or list
-    of floats) is tried at each entry of ``layers`` (a block or a list of blocks); one given as `Steering` specs
-    (`load_steering`'s, one per layer) is applied at its own layers, each spec's factor times the grid's."""
+    of floats) is added at each entry of ``layers`` (a block or a list of blocks) times each factor. One given as
+    specs (a `Steering`, `Cap`, `Ablate` or `Clamp`, or a list of them, e.g. `load_steering`'s one per layer) is
+    applied at its own layers, each spec `scaled` by each factor: a `Steering`'s factor, a `Cap`'s bounds, a
+    `Clamp`'s value or scale. Specs no factor changes (`Ablate`s only) make one cell, its factor ``None``."""
     if not isinstance(vectors, Mapping) or not vectors:
-        raise ValueError(f"{WHAT}: vectors must be a non-empty dict from names to vectors or lists of Steering")
+        raise ValueError(f"{WHAT}: vectors must be a non-empty dict from names to vectors or lists of specs")
     if isinstance(factors, (str, bytes)) or not isinstance(factors, Sequence) or not factors:
         raise ValueError(f"{WHAT}: factors must be a non-empty list of numbers, got {factors!r}")
     factors = [arguments.finite_number(factor, WHAT) for factor in factors]
@@ -60,12 +63,15 @@ def grid_specs(
     for name, vector in vectors.items():
         if not isinstance(name, str):
             raise ValueError(f"{WHAT}: vector names are strings, got {name!r}")
-        loaded = [vector] if isinstance(vector, Steering) else vector
-        if isinstance(loaded, list) and loaded and all(isinstance(spec, Steering) for spec in loaded):
-            at = sorted({layer for spec in loaded for layer in spec.layers})
+        loaded = [vector] if isinstance(vector, SPECS) else vector
+        if isinstance(loaded, list) and loaded and all(isinstance(spec, SPECS) for spec in loaded):
+            placed = [spec.at_positions(positions) for spec in loaded]
+            at = spec_layers(placed)
+            if all(isinstance(spec, Ablate) for spec in placed):
+                cells.append((name, at, None, placed))
+                continue
             for factor in factors:
-                specs = [Steering(s.layers, s.vector, s.factor * factor, positions) for s in loaded]
-                cells.append((name, at, factor, specs))
+                cells.append((name, at, factor, [spec.scaled(factor) for spec in placed]))
             continue
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
             raise ValueError(f"{WHAT}: layers must be a non-empty list of blocks (or lists of blocks), got {layers!r}")
@@ -74,6 +80,13 @@ def grid_specs(
             for factor in factors:
                 cells.append((name, chosen, factor, [Steering(chosen, vector, factor, positions)]))
     return cells
+
+
+def spec_layers(specs: Sequence[Any]) -> list[int] | str:
+    """The blocks ``specs`` act at, sorted; `EVERYWHERE` where one of them acts at every location."""
+    if any(spec.layers == EVERYWHERE for spec in specs):
+        return EVERYWHERE
+    return sorted({layer for spec in specs for layer in spec.layers})
 
 
 def scoring_positions(positions: Any, prompt_length: int, target_length: int) -> Any:
@@ -104,10 +117,11 @@ def sweep(
     Args:
         model: The engine.
         prompts: Texts.
-        vectors: Name -> a ``[hidden_size]`` vector (tried at each of ``layers``) or a list of `Steering`
-            (`load_steering`'s; applied at its own layers, times each factor).
+        vectors: Name -> a ``[hidden_size]`` vector (added at each of ``layers``), or specs (a `Steering`, `Cap`,
+            `Ablate` or `Clamp`, or a list of them, such as `load_steering`'s) applied at their own layers, each
+            `scaled` by each factor (a cap's bounds, a clamp's value or scale); ablations alone make one cell.
         layers: Blocks, or lists of blocks steered together, for the plain vectors.
-        factors: What each vector is multiplied by.
+        factors: What each vector (each spec's factor, bounds, value or scale) is multiplied by.
         sampling_params: vLLM ``SamplingParams`` for every generation (vLLM's defaults when ``None``).
         score: Target continuations, a dict name -> text or a list of texts (named by themselves): each row gets
             ``score: <name>``, the summed log-probability of the target's tokens after the prompt under the row's
@@ -143,7 +157,7 @@ def sweep(
                 placed = None
                 if specs is not None:
                     where = scoring_positions(positions, len(prompt_ids), len(target_ids))
-                    placed = [Steering(s.layers, s.vector, s.factor, where) for s in specs]
+                    placed = [spec.at_positions(where) for spec in specs]
                 plan.append(("score", row, (label, len(target_ids))))
                 requests.append(({"prompt_token_ids": prompt_ids + target_ids}, scoring, placed))
     if positions == "generated" and model.llm_engine.vllm_config.cache_config.enable_prefix_caching:
@@ -183,7 +197,8 @@ GRID_KEYS = ("prompts", "vectors", "layers", "factors", "positions", "sampling",
 
 def read_grid(path: str | Path) -> dict[str, Any]:
     """A sweep's grid from a YAML (``.yaml``/``.yml``) or JSON file: ``prompts``, ``vectors`` (name -> a list of
-    floats, a vector file `load_steering` reads, or ``{path, feature, layers}``), ``layers``, ``factors``, and
+    floats, a vector file `load_steering` reads, ``{path, feature, layers}``, or a spec ``{kind, ...}``:
+    `GRID_KINDS`), ``layers``, ``factors``, and
     optionally ``positions``, ``sampling`` (``SamplingParams`` arguments), ``score`` and ``engine`` (arguments of
     `SteeredVLLM`). ValueError naming the file and the key for anything else."""
     path = Path(path)
@@ -210,15 +225,44 @@ def read_grid(path: str | Path) -> dict[str, Any]:
     return grid
 
 
+#: The spec a grid file's ``vectors`` entry with a ``kind`` makes, and the fields it takes beside ``kind``.
+GRID_KINDS = {
+    "add": (Steering, ("vector", "layers", "factor")),
+    "ablate": (Ablate, ("vector", "layers")),
+    "cap": (Cap, ("vector", "layers", "min", "max")),
+    "clamp": (Clamp, ("sae", "feature", "value", "scale")),
+}
+
+
 def grid_vector(path: Path, name: str, entry: Any) -> Any:
-    """One ``vectors`` entry of a grid file: a list of floats, or the vector file it names (relative to the grid)."""
+    """One ``vectors`` entry of a grid file: a list of floats, the vector file it names (relative to the grid), or
+    a spec by its ``kind`` (`GRID_KINDS`; a clamp's ``sae`` a SAELens directory relative to the grid)."""
     if isinstance(entry, list):
         return entry
     options = dict(entry) if isinstance(entry, dict) else {"path": entry}
+    if "kind" in options:
+        return grid_spec(path, name, options)
     if not isinstance(options.get("path"), str):
         raise ValueError(f"{path}: vectors.{name} is a list of floats, a file path, or {{path, feature, layers}}")
     source = path.parent / options.pop("path")
     return load_steering(source, **options)
+
+
+def grid_spec(path: Path, name: str, options: dict[str, Any]) -> Any:
+    """A grid file's ``vectors`` entry that names its ``kind``, as that kind's spec; ValueError naming the entry."""
+    kind = options.pop("kind")
+    if kind not in GRID_KINDS:
+        raise ValueError(f"{path}: vectors.{name}.kind must be one of {', '.join(GRID_KINDS)}, got {kind!r}")
+    spec, fields = GRID_KINDS[kind]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"{path}: vectors.{name} (kind {kind!r}) takes {', '.join(fields)}, not {unknown}")
+    if isinstance(options.get("sae"), str):
+        options["sae"] = path.parent / options["sae"]
+    try:
+        return spec(**options)
+    except (TypeError, ValueError, OSError) as error:
+        raise ValueError(f"{path}: vectors.{name}: {error}") from None
 
 
 def run_grid(model: str | Path, grid: dict[str, Any], progress: bool = True) -> SweepTable:
