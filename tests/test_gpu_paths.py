@@ -28,7 +28,6 @@ from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
 from nnterp_vllm.engines.steering_table import PARAMS, SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
-from nnterp_vllm.steering.specs import DIRECTIONS_PER_BLOCK
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = ["The quick brown fox jumps", "A cup of coffee", "Rome was not built in a day, they say"]
@@ -308,7 +307,9 @@ def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path)
 
     from nnterp_vllm.engines.steered_settings import steering_settings
 
-    settings = steering_settings(path, {"max_num_batched_tokens": 4096}, capture_values=["layers.*.layer_output"])
+    settings = steering_settings(
+        path, {"max_num_batched_tokens": 4096}, capture_values=["layers.*.layer_output"], directions_per_block=3
+    )
     config = EngineArgs(model=str(path), max_num_batched_tokens=4096, **settings).create_engine_config()
     on_gpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cuda"))
     on_cpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cpu"))
@@ -316,12 +317,12 @@ def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path)
     element = config.model_config.dtype.itemsize
     assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
     rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
-    slots = 1 + 2 * DIRECTIONS_PER_BLOCK  # each row's added vector, each direction's read and write directions
+    slots = 1 + 2 * 3  # each row's added vector, each of its 3 directions' read and write directions
     entries = layers + 1  # each block's and the directions ablated everywhere
-    per_row = slots * hidden * element + DIRECTIONS_PER_BLOCK * PARAMS * 4  # and the directions' float32 parameters
+    per_row = slots * hidden * element + 3 * PARAMS * 4  # and the directions' float32 parameters
     assert on_gpu["steering table"] == entries * rows * per_row + 4096 * 8
     table = SteeringTable(  # the buffers the engine allocates are the ones sized
-        entries, rows, 4096, hidden, config.model_config.dtype, "cpu"
+        entries, rows, 4096, hidden, config.model_config.dtype, "cpu", directions=3
     )
     assert sum(buffer.nbytes for buffer in table.buffers()) == on_gpu["steering table"]
     check_room(on_gpu, sum(on_gpu.values()))

@@ -845,6 +845,7 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
         ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
         ({"steering_rows_per_request": 0}, "steering_rows_per_request must be an int >= 1"),
+        ({"steering_directions_per_block": 0}, "steering_directions_per_block must be an int >= 1"),
         ({"capture_values": "layers.1.self_attn.attention_queries"}, "capture_values: .* is not kept by the engine"),
         ({"capture_values": "layers.3.layer_output"}, r"layer\(s\) \[3\] do not exist"),
         (

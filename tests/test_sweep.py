@@ -1,6 +1,7 @@
 """Steering experiments on `SteeredVLLM`: a grid as one batch, its rows, its scores, decode-only prompt sharing.
 
-One engine on a tiny llama with a 1024-token context (prefix caching on, vLLM's default steps), shared by the tests.
+One engine on a tiny llama with a 1024-token context (prefix caching on, vLLM's default steps, three direction slots
+per block), shared by the tests.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def path():
 
 @pytest.fixture(scope="module")
 def engine(path):
-    model = SteeredVLLM(path, dtype="float32", max_model_len=1024, disable_log_stats=False)
+    model = SteeredVLLM(
+        path, dtype="float32", max_model_len=1024, disable_log_stats=False, steering_directions_per_block=3
+    )
     yield model
     model.shutdown()
 
@@ -117,7 +120,12 @@ def test_caps_clamps_and_ablations_sweep_by_their_bounds_and_values_and_score_as
     grid = {
         "ablated": Ablate(vectors["up"]),  # every residual-stream location; no factor changes it
         "capped": Cap(vectors["down"], layers=[1, 2], max=0.02),
-        "clamped": [Clamp(sae, 3, value=4.0), Steering(0, vectors["up"], factor=0.5)],
+        "clamped": [  # three features of one SAE at its block: the engine's three direction slots
+            Clamp(sae, 3, value=4.0),
+            Clamp(sae, 7, scale=0.5),
+            Clamp(sae, 11, value=-1.0),
+            Steering(0, vectors["up"], factor=0.5),
+        ],
     }
     params = SamplingParams(**GREEDY)
     table = sweep(engine, PROMPTS, grid, [], [1.0, -2.0], params, score=TARGETS, positions="generated")
@@ -133,8 +141,15 @@ def test_caps_clamps_and_ablations_sweep_by_their_bounds_and_values_and_score_as
         ("ablated", None): [Ablate(vectors["up"], positions="generated")],
         ("capped", 1.0): [Cap(vectors["down"], [1, 2], max=0.02, positions="generated")],
         ("capped", -2.0): [Cap(vectors["down"], [1, 2], min=-0.04, positions="generated")],
-        ("clamped", 1.0): [Clamp(sae, 3, 4.0, positions="generated"), Steering(0, vectors["up"], 0.5, "generated")],
-        ("clamped", -2.0): [Clamp(sae, 3, -8.0, positions="generated"), Steering(0, vectors["up"], -1.0, "generated")],
+        **{
+            ("clamped", factor): [
+                Clamp(sae, 3, 4.0 * factor, positions="generated"),
+                Clamp(sae, 7, scale=0.5 * factor, positions="generated"),
+                Clamp(sae, 11, -1.0 * factor, positions="generated"),
+                Steering(0, vectors["up"], 0.5 * factor, "generated"),
+            ]
+            for factor in (1.0, -2.0)
+        },
     }
     hf = StandardizedTransformer(path)
     for row in table:
@@ -186,6 +201,10 @@ def test_the_cli_runs_a_grid_file_to_json_lines(path, vectors, tmp_path):
         ({"layers": [7]}, r"layer\(s\) \[7\] do not exist"),
         ({"score": {"A": ""}}, "score must be a non-empty dict"),
         ({"vectors": {"v": torch.zeros(5)}}, r"shape \[hidden_size\] = \[128\]"),
+        (
+            {"vectors": {"v": [Ablate(torch.ones(128), layers=1)] * 4}},
+            r"4 directions on the same tokens at layer 1; the engine applies at most 3 per token there",
+        ),
     ],
 )
 def test_a_bad_grid_is_refused_before_the_engine_sees_it(engine, vectors, change, message):

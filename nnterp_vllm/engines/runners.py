@@ -15,11 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .steered_settings import CONFIG_KEY, SAES_SETTING, WORKER_CLASSES, held_saes
-from .steering_table import PARAMS, SLOTS, Steerer, table_rows
+from .steering_table import PARAMS, Steerer, table_directions, table_rows
 from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
 
 
@@ -96,8 +95,8 @@ def buffer_sizes(
     element = torch.empty((), dtype=model_config.dtype).element_size()
     hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
     layers = model_config.hf_text_config.num_hidden_layers + 1  # and the directions ablated everywhere
-    rows = table_rows(vllm_config)
-    slots = SLOTS * hidden * element + DIRECTIONS_PER_BLOCK * PARAMS * 4  # directions, their parameters
+    rows, directions = table_rows(vllm_config), table_directions(vllm_config)
+    slots = (1 + 2 * directions) * hidden * element + directions * PARAMS * 4  # directions, their parameters
     sizes = {"steering table": layers * rows * slots + tokens * 8}
     topk = [
         sae for sae in vllm_config.additional_config[CONFIG_KEY].get(SAES_SETTING, []) if sae["architecture"] == "topk"
@@ -119,8 +118,8 @@ def check_room(sizes: dict[str, int], left: int) -> None:
     raise ValueError(
         f"the steered engine's buffers need {needed / 2**30:.2f} GiB ({each}), but {max(left, 0) / 2**30:.2f} GiB "
         "of the device is left to this engine after its weights (gpu_memory_utilization, or kv_cache_memory_bytes). "
-        "Lower max_num_batched_tokens, steering_rows_per_request or the capture_values kept, or raise "
-        "gpu_memory_utilization."
+        "Lower max_num_batched_tokens, steering_rows_per_request, steering_directions_per_block or the capture_values "
+        "kept, or raise gpu_memory_utilization."
     )
 
 

@@ -23,7 +23,16 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
 from ..steering.saes import SAE
-from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, Clamp, Steering, per_prompt, request_steering, specs_of
+from ..steering.specs import (
+    DIRECTIONS_PER_BLOCK,
+    EVERYWHERE,
+    EXTRA_ARGS_KEY,
+    Clamp,
+    Steering,
+    per_prompt,
+    request_steering,
+    specs_of,
+)
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
@@ -114,6 +123,7 @@ class SteeringClient:
             length,
             self.vllm_config.additional_config[CONFIG_KEY]["rows_per_request"],
             self.vllm_config.model_config.dtype,
+            self.vllm_config.additional_config[CONFIG_KEY]["directions_per_block"],
         )
         wire = None
         if capture is not None:
@@ -204,6 +214,9 @@ class SteeredVLLM(SteeringClient, LLM):
         model: A checkpoint directory or hub id whose model_type has a family in ``families/vllm/``.
         steering_rows_per_request: How many distinct sets of specs one request may apply to its tokens
             (one spec needs one; ``"prompt"`` beside ``"generated"`` two); sizes the steering table.
+        steering_directions_per_block: How many caps, ablations and SAE feature clamps one token may have at one
+            block (`steering.specs.DIRECTIONS_PER_BLOCK` by default); each is a slot of every table row, applied
+            in turn at every block of every step, steered or not.
         capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
@@ -223,12 +236,15 @@ class SteeredVLLM(SteeringClient, LLM):
         model: Any,
         *,
         steering_rows_per_request: int = ROWS_PER_REQUEST,
+        steering_directions_per_block: int = DIRECTIONS_PER_BLOCK,
         capture_values: Any = None,
         saes: Any = None,
         **kwargs: Any,
     ) -> None:
         loaded = held(model, kwargs, saes)
-        settings = steering_settings(model, kwargs, steering_rows_per_request, capture_values, loaded)
+        settings = steering_settings(
+            model, kwargs, steering_rows_per_request, capture_values, loaded, steering_directions_per_block
+        )
         kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
         with socket_directory(self):
             start_recompiling_once(lambda: super(SteeredVLLM, self).__init__(str(model), **kwargs))

@@ -18,6 +18,7 @@ from ..components import vllm as on_vllm
 from ..standardized import Standardized
 from ..steering import specs
 from ..steering.saes import SAE, sae_list
+from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import capture as in_engine_capture
 from . import containment
 from .capture import CAPTURE_SETTING
@@ -51,10 +52,12 @@ def steering_settings(
     rows_per_request: int = ROWS_PER_REQUEST,
     capture_values: Any = None,
     saes: Sequence[SAE] = (),
+    directions_per_block: int = DIRECTIONS_PER_BLOCK,
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
-    The steering worker, its settings in ``additional_config`` (the values it keeps, ``capture_values``,
+    The steering worker, its settings in ``additional_config`` (the table's rows per request and direction slots
+    per row, the values it keeps, ``capture_values``,
     and the SAEs it holds, ``saes`` (loaded and checked by `held_saes`), among them; they also key vLLM's compile
     cache apart from plain vLLM's) and this platform's defaults (`engine_kwargs`). Refuses what the steered engine
     cannot serve, a model no vLLM family serves, and values it cannot keep, before anything loads.
@@ -69,14 +72,16 @@ def steering_settings(
         if bad:
             raise ValueError(f"{name} is refused by the steered engine: {_REFUSED[name]}")
     choose_model_runner("the steered engine")
-    if not isinstance(rows_per_request, int) or isinstance(rows_per_request, bool) or rows_per_request < 1:
-        raise ValueError(f"steering_rows_per_request must be an int >= 1, got {rows_per_request!r}")
+    for name, number in (("rows_per_request", rows_per_request), ("directions_per_block", directions_per_block)):
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise ValueError(f"steering_{name} must be an int >= 1, got {number!r}")
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
     families.lookup(Standardized._model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
     additional[CONFIG_KEY] = {
         "rows_per_request": rows_per_request,
+        "directions_per_block": directions_per_block,
         "code": _code_digest(),
         CAPTURE_SETTING: kept,
         SAES_SETTING: [
@@ -137,10 +142,15 @@ def held_saes(vllm_config: Any) -> list[SAE]:
 
 
 def steered_engine_args(
-    engine_args: EngineArgs, rows_per_request: int = ROWS_PER_REQUEST, capture_values: Any = None, saes: Any = None
+    engine_args: EngineArgs,
+    rows_per_request: int = ROWS_PER_REQUEST,
+    capture_values: Any = None,
+    saes: Any = None,
+    directions_per_block: int = DIRECTIONS_PER_BLOCK,
 ) -> EngineArgs:
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
-    ``capture_values`` and holding ``saes``."""
+    ``capture_values``, holding ``saes``, its steering table sized by ``rows_per_request`` and
+    ``directions_per_block``."""
     names = (
         "dtype",
         "worker_cls",
@@ -157,7 +167,9 @@ def steered_engine_args(
     )
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
     loaded = held(engine_args.model, given, saes)
-    settings = steering_settings(engine_args.model, given, rows_per_request, capture_values, loaded)
+    settings = steering_settings(
+        engine_args.model, given, rows_per_request, capture_values, loaded, directions_per_block
+    )
     return dataclasses.replace(engine_args, **settings)
 
 

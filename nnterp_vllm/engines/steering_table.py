@@ -2,9 +2,10 @@
 
 At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
 exactly where `Standardized.steer` adds) a forward hook adds ``table[layer, row_of_token, 0]`` and then, for each
-of the row's `DIRECTIONS_PER_BLOCK` direction slots in turn, moves the stream's activation along the slot's read
-direction to its target along its write direction (`steering.specs.feature_change`, with the slot's ``params``:
-bounds, offset, threshold, scale, and for a TopK SAE's feature its index). ``table`` is a ``[layers + 1, rows, 1 +
+of the row's direction slots in turn (`DIRECTIONS_PER_BLOCK` unless the engine is built with another number),
+moves the stream's activation along the slot's read direction to its target along its write direction
+(`steering.specs.feature_change`, with the slot's ``params``: bounds, offset, threshold, scale, and for a TopK
+SAE's feature its index). ``table`` is a ``[layers + 1, rows, 1 +
 2 * directions, hidden]`` buffer (the added vector, then each slot's read and write directions), ``params``
 ``[layers + 1, rows, directions, PARAMS]`` (row 0 adds nothing and moves nothing: a zero direction writes
 nothing), ``row_of_token`` a ``[max_num_batched_tokens]`` index. Adding, ablating, capping and clamping an SAE
@@ -55,8 +56,6 @@ from .steered_settings import CONFIG_KEY
 #: A direction slot's parameters, in ``params``' last axis.
 LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(6)
 PARAMS = 6
-#: Table slots per row: the added vector, then each direction's read and write directions.
-SLOTS = 1 + 2 * DIRECTIONS_PER_BLOCK
 
 
 class TopKEncoder(torch.nn.Module):
@@ -81,9 +80,9 @@ class TopKEncoder(torch.nn.Module):
 
 
 class SteeringTable(torch.nn.Module):
-    """The per-step steering buffers: ``table [layers, rows, SLOTS, hidden]`` (each row's added vector, then its
-    directions' read and write directions), ``params [layers, rows, directions, PARAMS]`` (row 0 adds and moves
-    nothing), ``row_of_token``, and the encoders of the TopK SAEs the engine holds, by block.
+    """The per-step steering buffers: ``table [layers, rows, 1 + 2 * directions, hidden]`` (each row's added
+    vector, then its directions' read and write directions), ``params [layers, rows, directions, PARAMS]`` (row 0
+    adds and moves nothing), ``row_of_token``, and the encoders of the TopK SAEs the engine holds, by block.
 
     Registered on every steered block (non-persistent buffers: no weight file names them), so the
     compiled graph reads them as inputs at stable module paths; they are only ever written in place.
@@ -98,11 +97,13 @@ class SteeringTable(torch.nn.Module):
         dtype: torch.dtype,
         device: Any,
         topk_saes: Sequence[SAE] = (),
+        directions: int = DIRECTIONS_PER_BLOCK,
     ) -> None:
         super().__init__()
+        slots = 1 + 2 * directions
         with torch.inference_mode(False):
-            self.register_buffer("table", torch.zeros(layers, rows, SLOTS, hidden, dtype=dtype, device=device), False)
-            self.register_buffer("params", neutral_params(layers, rows, device), False)
+            self.register_buffer("table", torch.zeros(layers, rows, slots, hidden, dtype=dtype, device=device), False)
+            self.register_buffer("params", neutral_params(layers, rows, directions, device), False)
             self.register_buffer("row_of_token", torch.zeros(tokens, dtype=torch.long, device=device), False)
         self.encoders = torch.nn.ModuleDict({str(sae.layer): TopKEncoder(sae, device) for sae in topk_saes})
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
@@ -121,7 +122,7 @@ class SteeringTable(torch.nn.Module):
         params = self.params[layer].index_select(0, rows)
         encoder = self.encoders[str(layer)] if str(layer) in self.encoders else None
         delta = slots[:, 0]
-        for slot in range(DIRECTIONS_PER_BLOCK):
+        for slot in range(self.params.shape[2]):
             current = stream + delta
             read, write, held = slots[:, 1 + 2 * slot], slots[:, 2 + 2 * slot], params[:, slot]
             pre = floor = None
@@ -158,22 +159,25 @@ def topk_activation(
     return torch.where(named, chosen, own).reshape(stream.shape[:-1]), floor.reshape(stream.shape[:-1])
 
 
-def neutral_params(layers: int, rows: int, device: Any = "cpu") -> torch.Tensor:
+def neutral_params(layers: int, rows: int, directions: int, device: Any = "cpu") -> torch.Tensor:
     """``[layers, rows, directions, PARAMS]`` parameters that move nothing: no bounds, no offset, no threshold,
     scale 1, no TopK feature."""
-    params = torch.zeros(layers, rows, DIRECTIONS_PER_BLOCK, PARAMS, dtype=torch.float32, device=device)
+    params = torch.zeros(layers, rows, directions, PARAMS, dtype=torch.float32, device=device)
     params[..., LOW], params[..., HIGH], params[..., THRESHOLD] = -torch.inf, torch.inf, -torch.inf
     params[..., SCALE], params[..., TOPK_FEATURE] = 1.0, -1.0
     return params
 
 
-def row_content(specs: Sequence[dict[str, Any]], entries: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One table row's content from the specs (engine form) it applies, in order: ``[entries, SLOTS, hidden]``
+def row_content(
+    specs: Sequence[dict[str, Any]], entries: int, hidden: int, directions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table row's content from the specs (engine form) it applies, in order: ``[entries, 1 + 2 * directions,
+    hidden]``
     (the summed added vectors, then each cap's or clamp's read and write directions in the next free slot of its
     layers; the last entry for the directions ablated everywhere) and ``[entries, directions, PARAMS]``
     parameters (``-inf`` / ``inf`` where a bound is left out)."""
-    content = torch.zeros(entries, SLOTS, hidden, dtype=torch.float32)
-    params = neutral_params(entries, 1)[:, 0]
+    content = torch.zeros(entries, 1 + 2 * directions, hidden, dtype=torch.float32)
+    params = neutral_params(entries, 1, directions)[:, 0]
     used = [0] * entries
     for spec in specs:
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
@@ -199,6 +203,12 @@ def table_rows(vllm_config: Any) -> int:
     scheduler = vllm_config.scheduler_config
     per_request = vllm_config.additional_config[CONFIG_KEY]["rows_per_request"]
     return 1 + min(scheduler.max_num_batched_tokens, per_request * scheduler.max_num_seqs)
+
+
+def table_directions(vllm_config: Any) -> int:
+    """Direction slots per row of an engine's steering table: caps, ablations and clamps one token may have at one
+    block."""
+    return vllm_config.additional_config[CONFIG_KEY]["directions_per_block"]
 
 
 def ablate_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -281,15 +291,17 @@ class Steerer:
             )
         hidden = model_config.get_hidden_size()
         tokens = scheduler.max_num_batched_tokens
-        rows = table_rows(vllm_config)
+        rows, directions = table_rows(vllm_config), table_directions(vllm_config)
         topk = [sae for sae in saes if sae.architecture == "topk"]
-        self.buffers = SteeringTable(len(blocks) + 1, rows, tokens, hidden, model_config.dtype, device, topk)
+        self.buffers = SteeringTable(
+            len(blocks) + 1, rows, tokens, hidden, model_config.dtype, device, topk, directions
+        )
         for index, (block, value) in enumerate(blocks):
             block.nnterp_steering = self.buffers
             block.nnterp_layer = index
             block.nnterp_layer_output = value
             block.register_forward_hook(steer_block)
-        self.num_layers, self.hidden = len(blocks), hidden
+        self.num_layers, self.hidden, self.directions = len(blocks), hidden, directions
         #: Why an `Ablate` at every residual-stream location cannot be served on this model, or ``None``.
         self.everywhere_reason = self._hook_everywhere(model, Standardized._model_type(model_config.hf_config))
         # On an accelerator the token rows and each new row's content are written into pinned host memory and
@@ -303,9 +315,11 @@ class Steerer:
         )
         entries = len(blocks) + 1
         self.host_contents = (
-            None if on_host else torch.zeros(rows, entries, SLOTS, hidden, dtype=model_config.dtype, pin_memory=True)
+            None
+            if on_host
+            else torch.zeros(rows, entries, 1 + 2 * directions, hidden, dtype=model_config.dtype, pin_memory=True)
         )
-        self.host_params = None if on_host else neutral_params(rows, entries).pin_memory()
+        self.host_params = None if on_host else neutral_params(rows, entries, directions).pin_memory()
         self.host_rows_np = self.host_rows.numpy()
         self.written = 0
         self.requests: dict[str, RequestRows | None] = {}
@@ -437,7 +451,7 @@ class Steerer:
         else:
             evicted = next(key for key in self.row_of_key if key not in needed)
             row = self.row_of_key.pop(evicted)
-        content, params = row_content(self.contents[named], self.num_layers + 1, self.hidden)
+        content, params = row_content(self.contents[named], self.num_layers + 1, self.hidden, self.directions)
         if self.host_contents is None:
             self.buffers.table[:, row].copy_(content)
             self.buffers.params[:, row].copy_(params)

@@ -28,6 +28,7 @@ def parser() -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from ..engines.steered_settings import ROWS_PER_REQUEST
+    from ..steering.specs import DIRECTIONS_PER_BLOCK
     from .fields import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
 
@@ -68,6 +69,12 @@ def parser() -> Any:
         type=int,
         default=ROWS_PER_REQUEST,
         help="distinct sets of specs one request may apply to its tokens (sizes the engine's steering table)",
+    )
+    steering.add_argument(
+        "--steering-directions-per-block",
+        type=int,
+        default=DIRECTIONS_PER_BLOCK,
+        help="caps, ablations and SAE feature clamps one token may have at one block (slots of each table row)",
     )
     steering.add_argument(
         "--max-steering-specs",

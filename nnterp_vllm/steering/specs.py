@@ -35,7 +35,8 @@ EVERYWHERE = "all"
 #: The values whose every location an `Ablate` at `EVERYWHERE` clears: the stream entering the first block, and
 #: what each block's attention and MLP add to it.
 EVERYWHERE_VALUES = ("layers.0.layer_input", "layers.*.attention_output", "layers.*.mlp_output")
-#: Caps and ablations one token may have applied at one block (the engine's direction slots per table row).
+#: Caps, ablations and clamps one token may have applied at one block (the engine's direction slots per table row),
+#: unless the engine is built with another number (``SteeredVLLM(..., steering_directions_per_block=N)``).
 DIRECTIONS_PER_BLOCK = 2
 #: The key of ``SamplingParams.extra_args`` under which a request's steering travels to the engine.
 EXTRA_ARGS_KEY = "nnterp_vllm_steering"
@@ -377,6 +378,7 @@ def request_steering(
     prompt_length: int,
     rows_per_request: int,
     dtype: torch.dtype = torch.float32,
+    directions_per_block: int = DIRECTIONS_PER_BLOCK,
 ) -> tuple[dict[str, Any], str | None] | None:
     """A request's steering in engine form and the cache salt keying its prefix-cache blocks; ``None`` unsteered.
 
@@ -386,7 +388,8 @@ def request_steering(
     blocks only when every token of the shared prefix was steered alike. Steering of generated tokens
     only (`decode_only`) leaves the prompt's KV as an unsteered request computes it: no salt, so its
     prompt blocks are shared (and the engine caches none of its generated ones). Steering a model computing
-    in ``dtype`` could not hold (`check_held`) is refused.
+    in ``dtype`` could not hold (`check_held`), or more directions on one token at one block than the engine's
+    ``directions_per_block`` (`check_directions`), is refused.
     """
     if not specs:
         return None
@@ -402,7 +405,7 @@ def request_steering(
             f"listed positions), each a row of the engine's steering table; the engine holds {rows_per_request} "
             "per request (SteeredVLLM(..., steering_rows_per_request=N) holds more)"
         )
-    check_directions(resolved, sets)
+    check_directions(resolved, sets, directions_per_block)
     phases = [entry["positions"] for entry in resolved]
     if decode_only(steering):
         return steering, None
@@ -452,9 +455,11 @@ def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
             )
 
 
-def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> None:
-    """Refuse specs in engine form that would cap, ablate or clamp more than `DIRECTIONS_PER_BLOCK` directions on one
-    token at one block (the engine's direction slots per row); ``ValueError`` naming the block and the specs."""
+def check_directions(
+    resolved: Sequence[dict[str, Any]], sets: TokenSets, directions_per_block: int = DIRECTIONS_PER_BLOCK
+) -> None:
+    """Refuse specs in engine form that would cap, ablate or clamp more than ``directions_per_block`` directions on
+    one token at one block (the engine's direction slots per row); ``ValueError`` naming the block and the specs."""
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
         per_layer: dict[Any, list[int]] = {}
         for i in indices:
@@ -463,12 +468,13 @@ def check_directions(resolved: Sequence[dict[str, Any]], sets: TokenSets) -> Non
                 for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
         for layer, capping in per_layer.items():
-            if len(capping) > DIRECTIONS_PER_BLOCK:
+            if len(capping) > directions_per_block:
                 where = "at every location (layers='all')" if layer == EVERYWHERE else f"at layer {layer}"
                 raise ValueError(
                     f"{WHAT}: specs {capping} cap, ablate or clamp {len(capping)} directions on the same tokens "
-                    f"{where}; the engine applies at most {DIRECTIONS_PER_BLOCK} per token there: ablate their span "
-                    "in fewer directions, or spread them over blocks or positions"
+                    f"{where}; the engine applies at most {directions_per_block} per token there (an engine built "
+                    "with SteeredVLLM(..., steering_directions_per_block=N) applies N): ablate their span in fewer "
+                    "directions, or spread them over blocks or positions"
                 )
 
 
