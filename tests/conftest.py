@@ -13,6 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines run in this process (one process, 3-5 s to build instead of 12-30 s).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The plain vLLM engines tests build as references start as the library's do (`reuse_compiled_models`).
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 

@@ -146,6 +146,39 @@ def serve_answers(arguments: list[str], tmp_path: Path, log: str) -> list[int]:
         server.assert_left_nothing()
 
 
+#: A child that starts a steered engine on a tiny llama (in its own process, with vLLM's AOT setting unset) and prints
+#: what its start compiled: vLLM's whole-model compiles and inductor's compiled-graph cache hits and misses.
+START_AND_COUNT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import tiny
+from torch._dynamo.utils import counters
+from vllm.compilation.counter import compilation_counter
+from nnterp_vllm import SteeredVLLM
+llm = SteeredVLLM(tiny.checkpoint("llama"), dtype="float32", max_model_len=256)
+llm.shutdown()
+inductor = counters["inductor"]
+print(json.dumps({{"aot_compiles": compilation_counter.num_aot_compiles, "setting": os.environ["VLLM_USE_AOT_COMPILE"],
+                  "hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxgraph_cache_miss"]}}))
+"""
+
+
+def test_a_second_start_of_an_engine_compiles_nothing_again():
+    """vLLM's CPU build cannot load back the ahead-of-time artifact it saves (and would compile the whole model on
+    every start): the library starts its engines without it, and a second start loads every graph it compiles."""
+    code = START_AND_COUNT.format(tests=str(Path(__file__).parent))
+    environment = {name: value for name, value in os.environ.items() if name != "VLLM_USE_AOT_COMPILE"}
+    environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    starts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Compiling model again due to a load failure" not in done.stderr
+        starts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert starts[1] == {"aot_compiles": 0, "setting": "0", "hits": starts[1]["hits"], "misses": 0}
+    assert starts[1]["hits"] > 0
+
+
 @pytest.mark.slow
 def test_a_real_cache_with_an_emptied_shared_object_is_compiled_again(tmp_path):
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

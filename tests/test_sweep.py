@@ -82,19 +82,24 @@ def test_rows_equal_separate_generate_calls_and_scores_equal_transformers(engine
             if row["vector"] is None
             else [Steering(row["layers"], vectors[row["vector"]], row["factor"], "generated")]
         )
-        (alone,) = engine.generate(row["prompt"], params, specs)
-        assert row["token_ids"] == list(alone.outputs[0].token_ids) and row["text"] == alone.outputs[0].text
-        for label, target in TARGETS.items():
-            torch.testing.assert_close(
-                torch.tensor(row[f"score: {label}"]),
-                transformers_logprob(hf, row["prompt"], target, specs),
-                atol=1e-3,
-                rtol=1e-4,
-            )
+        assert_generated_alone_and_scored_as_transformers(engine, hf, row, specs)
     assert len({row["score: A"] for row in table if row["prompt"] == PROMPTS[0]}) > 1  # steering moves the scores
     figure = plot_sweep_scores(table, "A", file=tmp_path / "scores.png")
     assert (tmp_path / "scores.png").stat().st_size > 0 and len(figure.axes[0].lines) == 5  # 4 cells and baseline
     assert len(table.to_jsonl(tmp_path / "rows.jsonl").read_text().splitlines()) == len(table)
+
+
+def assert_generated_alone_and_scored_as_transformers(engine, hf, row: dict, specs) -> None:
+    """A sweep's row equals ``specs`` run alone on the engine, and each score transformers' under ``specs``."""
+    (alone,) = engine.generate(row["prompt"], SamplingParams(**GREEDY), specs)
+    assert row["token_ids"] == list(alone.outputs[0].token_ids) and row["text"] == alone.outputs[0].text
+    for label, target in TARGETS.items():
+        torch.testing.assert_close(
+            torch.tensor(row[f"score: {label}"]),
+            transformers_logprob(hf, row["prompt"], target, specs),
+            atol=1e-3,
+            rtol=1e-4,
+        )
 
 
 def transformers_logprob(model: StandardizedTransformer, prompt: str, target: str, specs) -> torch.Tensor:
@@ -154,15 +159,7 @@ def test_caps_clamps_and_ablations_sweep_by_their_bounds_and_values_and_score_as
     hf = StandardizedTransformer(path)
     for row in table:
         specs = expected.get((row["vector"], row["factor"]))
-        (alone,) = engine.generate(row["prompt"], params, specs)
-        assert row["token_ids"] == list(alone.outputs[0].token_ids)
-        for label, target in TARGETS.items():
-            torch.testing.assert_close(
-                torch.tensor(row[f"score: {label}"]),
-                transformers_logprob(hf, row["prompt"], target, specs),
-                atol=1e-3,
-                rtol=1e-4,
-            )
+        assert_generated_alone_and_scored_as_transformers(engine, hf, row, specs)
     baseline = {row["prompt"]: row["score: A"] for row in table if row["vector"] is None}
     for name in ("ablated", "capped", "clamped"):  # each kind moves the scores off the baseline
         assert any(abs(row["score: A"] - baseline[row["prompt"]]) > 1e-3 for row in table if row["vector"] == name)

@@ -22,7 +22,13 @@ from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import capture as in_engine_capture
 from . import containment
 from .capture import CAPTURE_SETTING
-from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform
+from .vllm_platform import (
+    blocks_to_run,
+    choose_model_runner,
+    engine_kwargs,
+    is_cpu_platform,
+    reuse_compiled_models,
+)
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
@@ -72,6 +78,7 @@ def steering_settings(
         if bad:
             raise ValueError(f"{name} is refused by the steered engine: {_REFUSED[name]}")
     choose_model_runner("the steered engine")
+    reuse_compiled_models()
     for name, number in (("rows_per_request", rows_per_request), ("directions_per_block", directions_per_block)):
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             raise ValueError(f"steering_{name} must be an int >= 1, got {number!r}")

@@ -65,6 +65,7 @@ __all__ = [
     "choose_model_runner",
     "engine_kwargs",
     "is_cpu_platform",
+    "reuse_compiled_models",
     "run_first_blocks",
     "shutdown",
     "shutdown_llm",
@@ -115,6 +116,25 @@ def choose_model_runner(engine: str) -> None:
         engine,
         RUNNER_SETTING,
     )
+
+
+#: vLLM's setting for saving and loading a compiled model as one ahead-of-time artifact.
+AOT_SETTING = "VLLM_USE_AOT_COMPILE"
+
+
+def reuse_compiled_models() -> None:
+    """On vLLM's CPU build, make an engine's start reuse what an earlier start compiled, unless the caller chose
+    (``VLLM_USE_AOT_COMPILE`` set).
+
+    vLLM saves the CPU build's compiled model (its ``DYNAMO_TRACE_ONCE`` mode) as one ahead-of-time artifact that it
+    cannot load back (``'function' object has no attribute 'finalize_loading'``: the loader expects the GPU mode's
+    function), so every start compiles the whole model afresh: minutes for a 30-block model here. Without that
+    artifact torch's own caches (inductor's compiled graphs, on disk) serve every later start of the same model and
+    settings, in any process.
+    """
+    if is_cpu_platform() and AOT_SETTING not in os.environ:
+        os.environ[AOT_SETTING] = "0"
+        reread_environment()
 
 
 #: KV cache given to a CPU engine unless the caller sizes it. Without an explicit size vLLM's CPU
@@ -417,6 +437,7 @@ class PlatformVLLM(VLLM):
         # A wrapped, already loaded module (nnsight's worker-side form) carries no engine settings.
         if not (args and isinstance(args[0], torch.nn.Module)):
             choose_model_runner(type(self).__name__)
+            reuse_compiled_models()
             kwargs = notebook_share(engine_kwargs(str(args[0]) if args else None, **kwargs), type(self).__name__)
         super().__init__(*args, **kwargs)
 
