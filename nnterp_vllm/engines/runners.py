@@ -18,7 +18,7 @@ import torch
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .steered_settings import CONFIG_KEY, SAES_SETTING, WORKER_CLASSES, held_saes
-from .steering_table import PARAMS, Steerer, table_directions, table_rows
+from .steering_table import PARAMS, Steerer, table_directions, table_rows, table_slots
 from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
 
 
@@ -96,7 +96,7 @@ def buffer_sizes(
     hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
     layers = model_config.hf_text_config.num_hidden_layers + 1  # and the directions ablated everywhere
     rows, directions = table_rows(vllm_config), table_directions(vllm_config)
-    slots = (1 + 2 * directions) * hidden * element + directions * PARAMS * 4  # directions, their parameters
+    slots = table_slots(directions) * hidden * element + directions * PARAMS * 4  # directions, their parameters
     sizes = {"steering table": layers * rows * slots + tokens * 8}
     topk = [
         sae for sae in vllm_config.additional_config[CONFIG_KEY].get(SAES_SETTING, []) if sae["architecture"] == "topk"

@@ -58,6 +58,12 @@ LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(6)
 PARAMS = 6
 
 
+def table_slots(directions: int) -> int:
+    """Vectors per table row with ``directions`` direction slots: the added vector, then each direction's read and
+    write directions."""
+    return 1 + 2 * directions
+
+
 class TopKEncoder(torch.nn.Module):
     """A TopK SAE's encoder at its block, as buffers: every feature's pre-activation and each token's ``k``-th
     largest of them (float32)."""
@@ -80,7 +86,7 @@ class TopKEncoder(torch.nn.Module):
 
 
 class SteeringTable(torch.nn.Module):
-    """The per-step steering buffers: ``table [layers, rows, 1 + 2 * directions, hidden]`` (each row's added
+    """The per-step steering buffers: ``table [layers, rows, table_slots(directions), hidden]`` (each row's added
     vector, then its directions' read and write directions), ``params [layers, rows, directions, PARAMS]`` (row 0
     adds and moves nothing), ``row_of_token``, and the encoders of the TopK SAEs the engine holds, by block.
 
@@ -100,7 +106,7 @@ class SteeringTable(torch.nn.Module):
         directions: int = DIRECTIONS_PER_BLOCK,
     ) -> None:
         super().__init__()
-        slots = 1 + 2 * directions
+        slots = table_slots(directions)
         with torch.inference_mode(False):
             self.register_buffer("table", torch.zeros(layers, rows, slots, hidden, dtype=dtype, device=device), False)
             self.register_buffer("params", neutral_params(layers, rows, directions, device), False)
@@ -171,12 +177,11 @@ def neutral_params(layers: int, rows: int, directions: int, device: Any = "cpu")
 def row_content(
     specs: Sequence[dict[str, Any]], entries: int, hidden: int, directions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One table row's content from the specs (engine form) it applies, in order: ``[entries, 1 + 2 * directions,
-    hidden]``
-    (the summed added vectors, then each cap's or clamp's read and write directions in the next free slot of its
-    layers; the last entry for the directions ablated everywhere) and ``[entries, directions, PARAMS]``
-    parameters (``-inf`` / ``inf`` where a bound is left out)."""
-    content = torch.zeros(entries, 1 + 2 * directions, hidden, dtype=torch.float32)
+    """One table row's content from the specs (engine form) it applies, in order: ``[entries,
+    table_slots(directions), hidden]`` (the summed added vectors, then each cap's or clamp's read and write
+    directions in the next free slot of its layers; the last entry for the directions ablated everywhere) and
+    ``[entries, directions, PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left out)."""
+    content = torch.zeros(entries, table_slots(directions), hidden, dtype=torch.float32)
     params = neutral_params(entries, 1, directions)[:, 0]
     used = [0] * entries
     for spec in specs:
@@ -317,7 +322,7 @@ class Steerer:
         self.host_contents = (
             None
             if on_host
-            else torch.zeros(rows, entries, 1 + 2 * directions, hidden, dtype=model_config.dtype, pin_memory=True)
+            else torch.zeros(rows, entries, table_slots(directions), hidden, dtype=model_config.dtype, pin_memory=True)
         )
         self.host_params = None if on_host else neutral_params(rows, entries, directions).pin_memory()
         self.host_rows_np = self.host_rows.numpy()
