@@ -15,7 +15,7 @@ import tiny
 import torch
 from test_harvest import documents
 
-from nnterp_vllm.harvest import harvest
+from nnterp_vllm.harvest import HarvestError, harvest
 from nnterp_vllm.harvest import run as run_module
 
 VALUES = ["layers.*.layer_output", "layers.1.mlp_output"]
@@ -41,6 +41,21 @@ def open_files() -> list[str]:
         except FileNotFoundError:  # the descriptor listing the directory, closed since
             pass
     return found
+
+
+def assert_safetensors_files(harvested) -> None:
+    """Each shard file is one that the safetensors library reads, holding the harvest's columns."""
+    from safetensors.torch import load_file
+
+    offset = 0
+    for shard in harvested.shards:
+        tensors = load_file(shard)
+        assert set(tensors) == {*harvested.values, "token_ids", "documents", "offsets", "rows"}
+        tokens = len(tensors["token_ids"])
+        for name in harvested.values:
+            assert torch.equal(tensors[name], harvested.load(name)[offset : offset + tokens]), (shard, name)
+        offset += tokens
+    assert offset == len(harvested)
 
 
 def assert_same_harvest(harvested, reference) -> None:
@@ -78,12 +93,15 @@ def test_the_engine_runs_in_process_and_is_fed_across_shards(llama_path, on_tran
 
 def test_an_engine_in_its_own_process_fills_the_shared_rows(llama_path, on_transformers, tmp_path, monkeypatch):
     """Where the caller keeps vLLM's engine core in a process of its own, that process writes the rows into the
-    harvest's shared memory (anonymous memory files: none is left open here, nothing of ours in /dev/shm)."""
+    shard files themselves (none is left open here, no temporary file left, nothing of ours in /dev/shm)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     vllm = {"engine": "vllm", "model_kwargs": {"dtype": "float32"}}
     harvested = harvest(llama_path, documents(24, seed=3), VALUES, tmp_path / "out", **vllm, **OPTIONS)
     assert harvested.manifest["engine_process"] == "own process"
     assert_same_harvest(harvested, on_transformers)
+    assert_safetensors_files(harvested)
+    assert not list((tmp_path / "out").glob("*.tmp"))
+    assert not [target for target in open_files() if str(tmp_path) in target]
     assert not [name for name in os.listdir("/dev/shm") if "nnterp" in name]
     assert not [target for target in open_files() if "nnterp-vllm-rows" in target]
 
@@ -110,6 +128,7 @@ class TestOnASteeredVLLM:
             patch.setattr(capture, "open_region", lambda into, dtype: None)
             copied = harvest(engine, docs, VALUES, tmp_path / "copied", **OPTIONS)
         assert_same_harvest(in_place, on_transformers)
+        assert_safetensors_files(in_place)
         for left, right in zip(in_place.shards, copied.shards):
             assert left.read_bytes() == right.read_bytes()
 
@@ -119,11 +138,11 @@ class TestOnASteeredVLLM:
         write = run_module.write_unit
         written = []
 
-        def failing(unit, columns, job):
+        def failing(unit, columns, job, placed):
             if len(written) == 2:
                 raise OSError(28, "No space left on device")
             written.append(unit.index)
-            return write(unit, columns, job)
+            return write(unit, columns, job, placed)
 
         monkeypatch.setattr(run_module, "write_unit", failing)
         with pytest.raises(OSError, match="No space left"):
@@ -135,6 +154,32 @@ class TestOnASteeredVLLM:
         monkeypatch.setattr(run_module, "write_unit", write)
         resumed = harvest(engine, documents(24, seed=3), VALUES, tmp_path / "out", **OPTIONS)
         assert resumed.manifest["complete"]
+        assert not list((tmp_path / "out").glob("*.tmp"))
+
+    def test_a_full_disk_as_a_shard_file_begins_names_it_and_resume_finishes(
+        self, engine, on_transformers, tmp_path, monkeypatch
+    ):
+        """A shard file's disk space is taken as it begins, before the engine fills it: a full disk then is the
+        harvest's clear error, with no partial file left and the shards before it kept; the rerun finishes."""
+        from nnterp_vllm.harvest import layouts
+
+        allocate, begun = os.posix_fallocate, []
+
+        def full_on_the_third(descriptor, offset, length):
+            begun.append(length)
+            if len(begun) == 3:
+                raise OSError(28, "No space left on device")
+            allocate(descriptor, offset, length)
+
+        monkeypatch.setattr(layouts.os, "posix_fallocate", full_on_the_third)
+        with pytest.raises(HarvestError, match=r"cannot write shard-00002.*No space left on device.*was removed"):
+            harvest(engine, documents(24, seed=3), VALUES, tmp_path / "out", **OPTIONS)
+        assert not list((tmp_path / "out").glob("*.tmp"))
+        assert engine.capture_stats()[0]["regions_mapped"] == 0
+        monkeypatch.setattr(layouts.os, "posix_fallocate", allocate)
+        resumed = harvest(engine, documents(24, seed=3), VALUES, tmp_path / "out", **OPTIONS)
+        assert_same_harvest(resumed, on_transformers)
+        assert_safetensors_files(resumed)
 
 
 def test_a_slow_writer_holds_the_computation_back_only_once_its_queue_is_full(tmp_path, monkeypatch):
@@ -142,7 +187,7 @@ def test_a_slow_writer_holds_the_computation_back_only_once_its_queue_is_full(tm
     release = threading.Event()
     started = []
 
-    def slow(unit, columns, job):
+    def slow(unit, columns, job, placed):
         started.append(unit.index)
         release.wait(30)
         return {"index": unit.index}

@@ -6,7 +6,9 @@ request's. The worker maps the region (`open_region`) and hands the request's ro
 copied once, from the engine's buffer, and never cross the engine's RPC; a step's rows for requests that lie
 next to each other in the region go in one copy per step (`capture.hand_on`). The region is an anonymous
 memory file (``memfd_create``) that the worker opens by its ``/proc`` path, so it is freed once the client
-and the worker have both let go of it, however either ends: nothing is left behind in ``/dev/shm``. A worker
+and the worker have both let go of it, however either ends: nothing is left behind in ``/dev/shm``; or a span
+of a file the client made (a harvest's shard, its values filled where the file holds them), which the worker
+maps by its path. A worker
 on another host, or one that cannot open the file, keeps the rows in tensors of its own as usual; the client
 copies those in (`SharedRows.fill`).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,20 +28,29 @@ INTO = "into"
 
 
 class SharedRows:
-    """A ``[values, rows, hidden]`` region of shared memory in ``dtype``, which an engine on this host fills in place.
+    """A ``[values, rows, hidden]`` region of shared memory in ``dtype``, which an engine on this host fills in place:
+    a memory file of its own, or the bytes of ``file`` from ``start`` on (a file as long as that already, ``start``
+    a multiple of ``dtype``'s size).
 
     ``tensor`` is the region; `close` lets go of it (the worker lets go of its own mapping when the requests
     writing into it are taken).
     """
 
-    def __init__(self, values: int, rows: int, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, values: int, rows: int, hidden: int, dtype: torch.dtype, file: Path | None = None, start: int = 0
+    ) -> None:
         self.shape = (values, rows, hidden)
         count = values * rows * hidden
         self.id = uuid.uuid4().hex
-        self.descriptor: int | None = os.memfd_create("nnterp-vllm-rows", os.MFD_CLOEXEC)
-        os.ftruncate(self.descriptor, max(1, count * torch.empty((), dtype=dtype).element_size()))
-        self.path = f"/proc/{os.getpid()}/fd/{self.descriptor}"
-        self.tensor = torch.from_file(self.path, shared=True, size=max(1, count), dtype=dtype)[:count].view(self.shape)
+        self.descriptor: int | None = None
+        if file is None:
+            self.descriptor = os.memfd_create("nnterp-vllm-rows", os.MFD_CLOEXEC)
+            os.ftruncate(self.descriptor, max(1, count * torch.empty((), dtype=dtype).element_size()))
+            self.path = f"/proc/{os.getpid()}/fd/{self.descriptor}"
+        else:
+            self.path = str(Path(file).resolve())
+        self.offset = start // torch.empty((), dtype=dtype).element_size()
+        self.tensor = mapped(self.path, self.offset, self.shape, dtype)
 
     def destination(self, first: int) -> dict[str, Any]:
         """A capture's ``INTO`` entry: the request's rows go to this region from row ``first`` on."""
@@ -47,6 +59,7 @@ class SharedRows:
             "path": self.path,
             "host": socket.gethostname(),
             "shape": list(self.shape),
+            "offset": self.offset,
             "first": first,
         }
 
@@ -68,13 +81,18 @@ def open_region(into: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None
     (the rows are then kept as usual)."""
     if into["host"] != socket.gethostname():
         return None
-    shape = tuple(into["shape"])
-    count = shape[0] * shape[1] * shape[2]
     try:
-        region = torch.from_file(into["path"], shared=True, size=max(1, count), dtype=dtype)
+        return mapped(into["path"], into["offset"], tuple(into["shape"]), dtype)
     except (RuntimeError, OSError):
         return None
-    return region[:count].view(shape)
+
+
+def mapped(path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ``shape`` tensor of ``dtype`` at element ``offset`` of the file at ``path``, mapped shared."""
+    count = shape[0] * shape[1] * shape[2]
+    return torch.from_file(path, shared=True, size=offset + max(1, count), dtype=dtype)[offset : offset + count].view(
+        shape
+    )
 
 
 __all__ = ["INTO", "SharedRows", "open_region"]

@@ -272,9 +272,9 @@ def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     return write_unit(unit, compute(model, unit, job), job)
 
 
-def write_unit(unit: Unit, columns: Columns, job: Job) -> dict[str, Any]:
-    """Write one computed shard; its manifest record."""
-    return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings)
+def write_unit(unit: Unit, columns: Columns, job: Job, placed: Path | None = None) -> dict[str, Any]:
+    """Write one computed shard (``placed``: the file it was filled in, `store.place_shard`); its manifest record."""
+    return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings, placed)
 
 
 def engine_name(engine: Any) -> str:

@@ -119,23 +119,36 @@ def joined(columns: Columns) -> dict[str, torch.Tensor]:
     return {name: torch.cat(parts) for name, parts in columns.items()}
 
 
+def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, int]:
+    """The head of a safetensors file holding ``tensors`` (name, dtype, shape) back to back in that order (the
+    header's length and the header, padded so the data starts 8-byte aligned), and the bytes of data after it."""
+    header: dict[str, Any] = {}
+    start = 0
+    for name, dtype, shape in tensors:
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": shape, "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text, start
+
+
+def _by_element_size(columns: Columns) -> tuple[list[str], list[tuple[str, torch.dtype, list[int]]]]:
+    """``columns``' names, larger elements first, as safetensors orders them (every tensor starts aligned to its
+    element size), and each one's (name, dtype, shape)."""
+    order = sorted(columns, key=lambda name: -columns[name][0].element_size())
+    return order, [
+        (name, columns[name][0].dtype, [sum(len(part) for part in columns[name]), *columns[name][0].shape[1:]])
+        for name in order
+    ]
+
+
 def write_tensors(path: Path, columns: Columns) -> str:
     """Write ``columns`` as one safetensors file at ``path``, straight from their parts (no joined copy);
     its checksum (`checksums.CHECKSUM`), computed from the bytes as they are written."""
     parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
-    # Larger elements first, as safetensors orders them: every tensor starts aligned to its element size.
-    order = sorted(parts, key=lambda name: -parts[name][0].element_size())
-    header: dict[str, Any] = {}
-    start = 0
-    for name in order:
-        first = parts[name][0]
-        size = sum(part.numel() for part in parts[name]) * first.element_size()
-        shape = [sum(len(part) for part in parts[name]), *first.shape[1:]]
-        header[name] = {"dtype": SAFETENSORS_NAMES[first.dtype], "shape": shape, "data_offsets": [start, start + size]}
-        start += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
-    buffers = [len(text).to_bytes(8, "little") + text]
+    order, tensors = _by_element_size(parts)
+    buffers = [safetensors_header(tensors)[0]]
     buffers += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for name in order for part in parts[name]]
     digest = HASHES[CHECKSUM]()
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -165,6 +178,24 @@ class Safetensors:
     def write(self, path: Path, columns: Columns) -> str:
         """Write one shard at ``path``; its checksum."""
         return write_tensors(path, columns)
+
+    @staticmethod
+    def place(path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]]) -> int:
+        """Begin a shard at ``path`` whose values are filled in place: write the header, ``columns`` and then room
+        for the tensors ``room`` names (name, dtype, shape; back to back, in that order, each no wider an element
+        than ``columns``' narrowest); the byte at which that room starts. Its checksum is the file's, once filled."""
+        parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
+        order, tensors = _by_element_size(parts)
+        head, data = safetensors_header([*tensors, *room])
+        with open(path, "wb") as handle:
+            handle.write(head)
+            for name in order:
+                for part in parts[name]:
+                    handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+            start = handle.tell()
+            handle.flush()
+            os.posix_fallocate(handle.fileno(), 0, len(head) + data)  # a full disk fails here, not mid-fill
+        return start
 
     def locate(self, path: Path) -> dict[str, Column]:
         """Where every column of the shard at ``path`` lies: from the safetensors header."""

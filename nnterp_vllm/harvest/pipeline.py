@@ -5,19 +5,24 @@ takes (a shard's requests are added all at once), so the next shard's rows are s
 of the one before finish (the engine never drains at a shard's end), and steps it itself. Each open shard has its
 values' region of shared memory (`engines.shared_rows.SharedRows`), laid out as the shard's columns: the engine's
 worker copies each step's kept rows straight to their places there, one copy per step for the requests that lie
-side by side, and the region is the column the writer writes. Nothing is done per token, or per request beyond
-adding it; a finished shard costs one call to the worker (to take its requests' rows, which frees them there)
-and is handed on, in corpus order, to the writer, whose queue is bounded (`run.BackgroundWriter`): a writer that
-falls behind holds the engine back only once that queue is full.
+side by side. A safetensors shard's region is the shard's file itself (begun with its header and metadata and its
+disk space taken, `store.place_shard`): the rows land where the file holds them, the kernel writes them back as
+it does any file's pages, and writing the shard is checksumming the file and renaming it. A sae-lens shard's
+region is a memory file whose columns the writer writes. Nothing is done per token, or per request beyond adding
+it; a finished shard costs one call to the worker (to take its requests' rows, which frees them there) and is
+handed on, in corpus order, to the writer, whose queue is bounded (`run.BackgroundWriter`): a writer that falls
+behind holds the engine back only once that queue is full.
 
 Memory: the regions of the open shards and of the shards queued for writing: at most ``FEED_STEPS *
-max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards.
+max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards, in memory files, or for
+safetensors in the page cache of files being written (which the kernel writes back and may free as it goes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +30,8 @@ import torch
 from ..capture import Capture
 from .compute import Job, Unit, metadata
 from .in_engine import EngineHarvester
-from .layouts import Columns
+from .layouts import Columns, Safetensors, layout_of
+from .store import place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -34,12 +40,14 @@ FEED_STEPS = 2
 
 @dataclass
 class OpenShard:
-    """A shard in the engine: its unit, metadata columns, region, and the requests still running."""
+    """A shard in the engine: its unit, columns, region (in its file where ``placed``), and the requests still
+    running."""
 
     unit: Unit
     columns: Columns
     region: Any
     names: list[str]
+    placed: Path | None
     #: Each capturing request's id -> (its capture key, the first region row that is its).
     requests: dict[str, tuple[str, int]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
@@ -47,9 +55,10 @@ class OpenShard:
     tokens: int = 0
 
 
-def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Iterator[tuple[Unit, Columns]]:
-    """Each unit of ``units`` computed by ``harvester``'s engine, as its shard's columns, in order; the engine fed
-    continuously. Leaving early (an error, a closed generator) aborts what is still running."""
+def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Iterator[tuple[Unit, Columns, Path | None]]:
+    """Each unit of ``units`` computed by ``harvester``'s engine, in order: its shard's columns and the file they
+    fill (`store.place_shard`; ``None`` for a layout written from the columns); the engine fed continuously.
+    Leaving early (an error, a closed generator) aborts what is still running and removes the files begun."""
     from vllm import SamplingParams
 
     from ..engines.capture import unpack
@@ -62,6 +71,7 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
     kinds = {"all": Capture(wanted, "all", job.dtype), "last": Capture(wanted, "last", job.dtype)}
     dtype = getattr(torch, job.dtype)
     names = kinds["all"].names(harvester.num_layers)
+    in_place = isinstance(layout_of(job.settings), Safetensors)
     feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
@@ -70,9 +80,14 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
     def open_shard(unit: Unit) -> OpenShard:
         columns, kept = metadata(unit.rows, job.positions)
         counts = [len(part) for part in columns["token_ids"]]
-        region = SharedRows(len(names), sum(counts), harvester.hidden_size, dtype)
-        shard = OpenShard(unit, columns, region, names)
-        columns.update({name: [region.tensor[names.index(name)]] for name in wanted})
+        shape = (len(names), sum(counts), harvester.hidden_size)
+        placed, start = None, 0
+        if in_place:
+            room = [(name, dtype, list(shape[1:])) for name in names]
+            placed, start = place_shard(Path(job.out), unit.index, columns, room, job.settings)
+        region = SharedRows(*shape, dtype, file=placed, start=start)
+        shard = OpenShard(unit, columns, region, names, placed)
+        columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
         prompts, captures, destinations = [], [], []
         first = 0
         for row, count, positions in zip(unit.rows, counts, kept):
@@ -113,7 +128,7 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
                 return
             if not opened[0].running:
                 shard = opened.pop(0)
-                yield shard.unit, finish(shard)
+                yield shard.unit, finish(shard), shard.placed
                 continue
             for output in engine.step():
                 if output.finished and output.request_id in owner:
@@ -128,6 +143,8 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
             if shard.requests:
                 llm.take_captured([key for key, _ in shard.requests.values()])
             shard.region.close()
+            if shard.placed is not None:
+                shard.placed.unlink(missing_ok=True)
 
 
 __all__ = ["FEED_STEPS", "shards"]

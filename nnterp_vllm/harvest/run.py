@@ -96,11 +96,12 @@ class BackgroundWriter:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harvest-writer")
         self.pending: collections.deque[tuple[Unit, Future]] = collections.deque()
 
-    def put(self, unit: Unit, columns: Columns) -> None:
-        """Queue ``columns`` (unit ``unit``) for writing, once there is room; record the writes done meanwhile."""
+    def put(self, unit: Unit, columns: Columns, placed: Path | None = None) -> None:
+        """Queue ``columns`` (unit ``unit``; ``placed``: the file they fill, `write_unit`) for writing, once there is
+        room; record the writes done meanwhile."""
         while self.pending and (len(self.pending) >= WRITES_QUEUED or self.pending[0][1].done()):
             self.record_oldest()
-        self.pending.append((unit, self.pool.submit(write_unit, unit, columns, self.job)))
+        self.pending.append((unit, self.pool.submit(write_unit, unit, columns, self.job, placed)))
 
     def record_oldest(self) -> None:
         """Wait for the oldest write and record it (its error, if any, raised here)."""
@@ -395,8 +396,8 @@ def harvest(
             with BackgroundWriter(job, finished) as writer:
                 if isinstance(model, EngineHarvester):
                     with contextlib.closing(pipeline.shards(model, todo, job)) as computed:
-                        for unit, columns in computed:
-                            writer.put(unit, columns)
+                        for unit, columns, placed in computed:
+                            writer.put(unit, columns, placed)
                 else:
                     for unit in todo:
                         if leader is not None:

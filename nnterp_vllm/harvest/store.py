@@ -17,11 +17,13 @@ corpus edited since is refused with the shard where it first differs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -280,20 +282,44 @@ class Store:
 
 
 def write_shard(
-    out: Path, index: int, columns: Columns, record: dict[str, Any], settings: dict[str, Any]
+    out: Path,
+    index: int,
+    columns: Columns,
+    record: dict[str, Any],
+    settings: dict[str, Any],
+    placed: Path | None = None,
 ) -> dict[str, Any]:
-    """Write one shard in the layout ``settings`` name, under a temporary name, then rename it;
-    a failed write leaves nothing behind."""
+    """Write one shard in the layout ``settings`` name, under a temporary name, then rename it; a failed write leaves
+    nothing behind. A shard filled in place (``placed``: the temporary file `place_shard` began) is only renamed."""
     layout = layout_of(settings)
     path = Path(out) / layout.file_name(index)
-    temporary = staging(path)
-    try:
-        digest = layout.write(temporary, columns)
+    temporary = placed or staging(path)
+    with _removed_on_failure(temporary, path):
+        digest = file_checksum(temporary) if placed else layout.write(temporary, columns)
         os.replace(temporary, path)
+    return {**record, "file": path.name, "bytes": path.stat().st_size, CHECKSUM: digest}
+
+
+def place_shard(
+    out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]], settings: dict[str, Any]
+) -> tuple[Path, int]:
+    """Begin shard ``index`` of a safetensors harvest with its values to be filled in place (`Safetensors.place`:
+    ``columns`` written, the disk space for ``room`` taken now), under a temporary name that `write_shard` renames:
+    that file and the byte its room starts at. A failure leaves nothing behind."""
+    path = Path(out) / Safetensors.file_name(index)
+    temporary = staging(path)
+    with _removed_on_failure(temporary, path):
+        return temporary, Safetensors.place(temporary, columns, room)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(temporary: Path, path: Path) -> Iterator[None]:
+    """Remove ``temporary`` (shard file ``path`` being written) and raise a HarvestError saying so on an OSError."""
+    try:
+        yield
     except OSError as error:
         temporary.unlink(missing_ok=True)
         raise HarvestError(
-            f"cannot write {path.name} in {out}: {error.strerror or error}. The partial file was removed; "
+            f"cannot write {path.name} in {path.parent}: {error.strerror or error}. The partial file was removed; "
             "free space (or fix permissions) and rerun the same command to resume."
         ) from error
-    return {**record, "file": path.name, "bytes": path.stat().st_size, CHECKSUM: digest}
