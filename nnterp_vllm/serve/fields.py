@@ -20,18 +20,15 @@ import torch
 from .. import arguments
 from ..capture import SAE_FEATURES, TOP_K, Capture
 from ..steering.saes import SAE
-from ..steering.specs import EVERYWHERE, Ablate, Cap, Clamp, Steering, unit_direction
+from ..steering.specs import EVERYWHERE, KINDS, Ablate, Cap, Clamp, Steering, kind_fields, unit_direction
 from .errors import InvalidField, naming
 from .intake import decode_json, hand_over
 from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
 SPEC_FIELDS = ("kind", "layers", "vector", "factor", "min", "max", "sae", "feature", "value", "scale", "positions")
-#: Each kind of spec (`Steering`, `Ablate`, `Cap`, `Clamp`) and the fields of its own it takes (beside 'positions',
-#: and a direction's 'layers' and 'vector').
-KINDS = {"add": ("factor",), "ablate": (), "cap": ("min", "max"), "clamp": ("sae", "feature", "value", "scale")}
-#: The fields only one kind takes.
-OWN_FIELDS = tuple(name for names in KINDS.values() for name in names)
+#: The fields only one kind of spec takes (`specs.KINDS`).
+OWN_FIELDS = tuple(name for _, names in KINDS.values() for name in names)
 #: What a registered vector's name may be (it is also a URL path segment).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
@@ -117,9 +114,9 @@ def _kind(spec: dict[str, Any], where: str) -> str:
         known = ", ".join(repr(name) for name in KINDS)
         raise InvalidField(f"{where}: kind must be one of {known}, got {kind!r}", f"{where}.kind")
     beside = "'positions'" if kind == "clamp" else "'layers', 'vector' and 'positions'"
-    for name in (*OWN_FIELDS, "layers", "vector") if kind == "clamp" else OWN_FIELDS:
-        if name in spec and name not in KINDS[kind]:
-            has = " and ".join(repr(field) for field in KINDS[kind]) or "no field of its own"
+    for name in (*OWN_FIELDS, "layers", "vector"):
+        if name in spec and name not in kind_fields(kind):
+            has = " and ".join(repr(field) for field in KINDS[kind][1]) or "no field of its own"
             raise InvalidField(
                 f"{where}: {kind!r} specs have no field {name!r} ({kind!r} takes {has} beside {beside})",
                 f"{where}.{name}",

@@ -266,6 +266,21 @@ class Clamp(Placed):
 
 #: The specs a request may carry.
 SPECS = (Steering, Cap, Clamp)
+#: Each kind of spec by the name a server request or a grid file gives it: the spec and the fields of its own it
+#: takes (beside ``positions``, and a direction's ``layers`` and ``vector``, which every kind but a clamp takes).
+KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "add": (Steering, ("factor",)),
+    "ablate": (Ablate, ()),
+    "cap": (Cap, ("min", "max")),
+    "clamp": (Clamp, ("sae", "feature", "value", "scale")),
+}
+
+
+def kind_fields(kind: str) -> tuple[str, ...]:
+    """The fields a spec of ``kind`` (`KINDS`) takes beside ``positions``: a direction's ``vector`` and ``layers``
+    (but a clamp's direction is its SAE feature's) and its own."""
+    own = KINDS[kind][1]
+    return own if kind == "clamp" else ("vector", "layers", *own)
 
 
 def feature_change(
@@ -525,10 +540,12 @@ __all__ = [
     "Cap",
     "Clamp",
     "HEADROOM",
+    "KINDS",
     "Steering",
     "TokenSets",
     "decode_only",
     "feature_change",
+    "kind_fields",
     "projection_change",
     "per_prompt",
     "request_steering",

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import arguments
 from .sources import load_steering
-from .specs import EVERYWHERE, SPECS, Ablate, Cap, Clamp, Steering
+from .specs import EVERYWHERE, KINDS, SPECS, Ablate, Steering, kind_fields
 
 WHAT = "sweep"
 #: The columns every row has, before one per score.
@@ -198,7 +198,7 @@ GRID_KEYS = ("prompts", "vectors", "layers", "factors", "positions", "sampling",
 def read_grid(path: str | Path) -> dict[str, Any]:
     """A sweep's grid from a YAML (``.yaml``/``.yml``) or JSON file: ``prompts``, ``vectors`` (name -> a list of
     floats, a vector file `load_steering` reads, ``{path, feature, layers}``, or a spec ``{kind, ...}``:
-    `GRID_KINDS`), ``layers``, ``factors``, and
+    `specs.KINDS`), ``layers``, ``factors``, and
     optionally ``positions``, ``sampling`` (``SamplingParams`` arguments), ``score`` and ``engine`` (arguments of
     `SteeredVLLM`). ValueError naming the file and the key for anything else."""
     path = Path(path)
@@ -226,17 +226,9 @@ def read_grid(path: str | Path) -> dict[str, Any]:
 
 
 #: The spec a grid file's ``vectors`` entry with a ``kind`` makes, and the fields it takes beside ``kind``.
-GRID_KINDS = {
-    "add": (Steering, ("vector", "layers", "factor")),
-    "ablate": (Ablate, ("vector", "layers")),
-    "cap": (Cap, ("vector", "layers", "min", "max")),
-    "clamp": (Clamp, ("sae", "feature", "value", "scale")),
-}
-
-
 def grid_vector(path: Path, name: str, entry: Any) -> Any:
     """One ``vectors`` entry of a grid file: a list of floats, the vector file it names (relative to the grid), or
-    a spec by its ``kind`` (`GRID_KINDS`; a clamp's ``sae`` a SAELens directory relative to the grid)."""
+    a spec by its ``kind`` (`specs.KINDS`; a clamp's ``sae`` a SAELens directory relative to the grid)."""
     if isinstance(entry, list):
         return entry
     options = dict(entry) if isinstance(entry, dict) else {"path": entry}
@@ -251,9 +243,9 @@ def grid_vector(path: Path, name: str, entry: Any) -> Any:
 def grid_spec(path: Path, name: str, options: dict[str, Any]) -> Any:
     """A grid file's ``vectors`` entry that names its ``kind``, as that kind's spec; ValueError naming the entry."""
     kind = options.pop("kind")
-    if kind not in GRID_KINDS:
-        raise ValueError(f"{path}: vectors.{name}.kind must be one of {', '.join(GRID_KINDS)}, got {kind!r}")
-    spec, fields = GRID_KINDS[kind]
+    if kind not in KINDS:
+        raise ValueError(f"{path}: vectors.{name}.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    spec, fields = KINDS[kind][0], kind_fields(kind)
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(f"{path}: vectors.{name} (kind {kind!r}) takes {', '.join(fields)}, not {unknown}")
