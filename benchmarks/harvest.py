@@ -133,11 +133,11 @@ def disk_write(directory: Path, size: int) -> dict:
 
 def harvest_writing(directory: Path, size: int) -> dict:
     """The in-engine harvest's writing alone, of a shard of ``size`` bytes of values (576-wide float32 rows; one
-    region, as the engine's worker maps it): the shard file begun (`store.place_shard`), the region filled from
+    region, as the engine's worker opens it): the shard file begun (`store.place_shard`), the region filled from
     memory, the shard checksummed and renamed (`store.write_shard`), then fsync; bytes, seconds."""
     import torch
 
-    from nnterp_vllm.engines.shared_rows import SharedRows
+    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
     from nnterp_vllm.harvest.compute import metadata
     from nnterp_vllm.harvest.corpus import Row
     from nnterp_vllm.harvest.store import place_shard, write_shard
@@ -150,7 +150,9 @@ def harvest_writing(directory: Path, size: int) -> dict:
     columns, _ = metadata(rows, "all")
     placed, start = place_shard(directory, 0, columns, [("values", torch.float32, [tokens, 576])], settings)
     region = SharedRows(1, tokens, 576, torch.float32, file=placed, start=start)
-    region.tensor.copy_(filled)
+    opened = open_region(region.destination(0), torch.float32)  # as the engine's worker opens it
+    opened.put(0, filled)
+    opened.close()
     record = write_shard(directory, 0, {**columns, "values": [region.tensor[0]]}, {}, settings, placed)
     descriptor = os.open(directory / record["file"], os.O_RDONLY)
     try:

@@ -216,7 +216,7 @@ def test_shared_rows_written_by_another_process_are_seen_here():
     into = region.destination(first=1)
     code = (
         "import sys, torch, json; from nnterp_vllm.engines.shared_rows import open_region; "
-        "region = open_region(json.loads(sys.argv[1]), torch.float32); region[:, 1:].fill_(7.0)"
+        "region = open_region(json.loads(sys.argv[1]), torch.float32); region.put(1, torch.full((2, 4, 3), 7.0))"
     )
     done = subprocess.run([sys.executable, "-c", code, json.dumps(into)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -36,7 +36,7 @@ from ..components import Layers
 from ..components.values import Located
 from ..standardized import Standardized, standard_rename
 from ..steering.saes import SAE
-from .shared_rows import INTO, open_region
+from .shared_rows import INTO, Region, open_region
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def unpack(packed: Any) -> torch.Tensor:
 class KeptRows:
     """A capturing request, as the runner keeps it: its capture in engine form, the buffer slot of each of its
     values, and its rows so far (a tensor per value, grown as generated tokens come). A request whose capture names
-    a destination the worker could map (`shared_rows`) keeps its rows there: ``region`` ``[values, rows, hidden]``,
+    a destination the worker could open (`shared_rows`) keeps its rows there: ``region`` (``[values, rows, hidden]``),
     its own rows from row ``first`` on, and ``tensors`` are views of them."""
 
     wire: dict[str, Any]
@@ -168,7 +168,7 @@ class KeptRows:
     tensors: list[torch.Tensor]
     filled: int = 0
     taken: bool = False
-    region: torch.Tensor | None = None
+    region: Region | None = None
     first: int = 0
 
     def room(self, rows: int) -> None:
@@ -247,7 +247,7 @@ def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) 
         else:
             merged.append([kept.region, kept.slots, token, kept.first + row, length])
     for region, slots, token, row, length in merged:
-        region[:, row : row + length].copy_(rows[_slots_index(slots), token : token + length])
+        region.put(row, rows[_slots_index(slots), token : token + length])
 
 
 def _slots_index(slots: list[int]) -> slice | list[int]:
@@ -400,7 +400,7 @@ class Capturer:
             if region is not None:
                 first = wire[INTO]["first"]
                 count = kept_count(wire, wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1))
-                tensors = [values[first : first + count] for values in region]
+                tensors = [values[first : first + count] for values in region.tensor]
                 kept = KeptRows(wire, slots, tensors, region=region, first=first)
             else:
                 expected = wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1)
@@ -409,8 +409,8 @@ class Capturer:
         self.requests[request_id] = kept
         return kept
 
-    def _region(self, into: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
-        """The destination ``into`` names, mapped once while requests write into it (`release` lets go)."""
+    def _region(self, into: dict[str, Any], dtype: torch.dtype) -> Region | None:
+        """The destination ``into`` names, opened once while requests write into it (`release` lets go)."""
         held = self.regions.get(into["id"])
         if held is None:
             region = open_region(into, dtype)
@@ -421,7 +421,7 @@ class Capturer:
         return held[0]
 
     def release(self, kept: KeptRows) -> None:
-        """A request writing into a region is done with it: the last one lets go of the mapping."""
+        """A request writing into a region is done with it: the last one lets go of it."""
         if kept.region is None:
             return
         key = kept.wire[INTO]["id"]
@@ -429,6 +429,7 @@ class Capturer:
         held[1] -= 1
         if held[1] == 0:
             del self.regions[key]
+            held[0].close()
 
     def forget(self, request_id: str) -> None:
         """A request left the engine (finished or aborted): its rows wait for the client, within a bound."""

@@ -2,15 +2,14 @@
 
 A capture may name a destination (`SharedRows.destination`, under ``INTO`` in its engine form): a region of
 memory the client made, ``[values, rows, hidden]`` in the capture's dtype, and the first row of it that is the
-request's. The worker maps the region (`open_region`) and hands the request's rows on into it, so they are
+request's. The worker opens the region (`open_region`) and writes the request's rows into it, so they are
 copied once, from the engine's buffer, and never cross the engine's RPC; a step's rows for requests that lie
 next to each other in the region go in one copy per step (`capture.hand_on`). The region is an anonymous
 memory file (``memfd_create``) that the worker opens by its ``/proc`` path, so it is freed once the client
 and the worker have both let go of it, however either ends: nothing is left behind in ``/dev/shm``; or a span
 of a file the client made (a harvest's shard, its values filled where the file holds them), which the worker
-maps by its path. A worker
-on another host, or one that cannot open the file, keeps the rows in tensors of its own as usual; the client
-copies those in (`SharedRows.fill`).
+opens by its path. A worker on another host, or one that cannot open the file, keeps the rows in tensors of its
+own as usual; the client copies those in (`SharedRows.fill`).
 """
 
 from __future__ import annotations
@@ -76,13 +75,42 @@ class SharedRows:
             self.descriptor = None
 
 
-def open_region(into: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
-    """The region ``into`` names, mapped in this process; ``None`` where it lies on another host or cannot be opened
+class Region:
+    """A destination as the worker holds it: ``tensor``, the region mapped (each request's rows a view of it), and
+    `put`, which writes rows into it through the file (the kernel copies them into its pages, where filling a fresh
+    mapping would fault each page in first). `close` lets go of both."""
+
+    def __init__(self, into: dict[str, Any], dtype: torch.dtype) -> None:
+        shape = tuple(into["shape"])
+        self.tensor = mapped(into["path"], into["offset"], shape, dtype)
+        self.dtype = dtype
+        self.row_bytes = shape[2] * torch.empty((), dtype=dtype).element_size()
+        self.value_bytes = shape[1] * self.row_bytes
+        self.start = into["offset"] * torch.empty((), dtype=dtype).element_size()
+        self.descriptor = os.open(into["path"], os.O_WRONLY | os.O_CLOEXEC)
+
+    def put(self, row: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` (``[values, length, hidden]``, on the host) to rows ``row`` on of each value, in the
+        region's dtype."""
+        for index, values in enumerate(rows):
+            data = values.to(self.dtype).contiguous()  # the rows themselves where they already are
+            buffer = memoryview(data.view(torch.uint8).numpy()).cast("B")
+            position = self.start + index * self.value_bytes + row * self.row_bytes
+            while len(buffer):
+                written = os.pwrite(self.descriptor, buffer, position)
+                buffer, position = buffer[written:], position + written
+
+    def close(self) -> None:
+        os.close(self.descriptor)
+
+
+def open_region(into: dict[str, Any], dtype: torch.dtype) -> Region | None:
+    """The region ``into`` names, opened in this process; ``None`` where it lies on another host or cannot be opened
     (the rows are then kept as usual)."""
     if into["host"] != socket.gethostname():
         return None
     try:
-        return mapped(into["path"], into["offset"], tuple(into["shape"]), dtype)
+        return Region(into, dtype)
     except (RuntimeError, OSError):
         return None
 
@@ -95,4 +123,4 @@ def mapped(path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -
     )
 
 
-__all__ = ["INTO", "SharedRows", "open_region"]
+__all__ = ["INTO", "Region", "SharedRows", "open_region"]
