@@ -148,7 +148,7 @@ def harvest_writing(directory: Path, size: int) -> dict:
     settings = {"format": "safetensors"}
     began = time.perf_counter()
     columns, _ = metadata(rows, "all")
-    placed, start = place_shard(directory, 0, columns, [("values", torch.float32, [tokens, 576])], settings)
+    placed, start = place_shard(directory, 0, columns, [("values", torch.float32, [tokens, 576])])
     region = SharedRows(1, tokens, 576, torch.float32, file=placed, start=start)
     opened = open_region(region.destination(0), torch.float32)  # as the engine's worker opens it
     opened.put(0, filled)

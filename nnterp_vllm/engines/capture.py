@@ -161,7 +161,7 @@ class KeptRows:
     """A capturing request, as the runner keeps it: its capture in engine form, the buffer slot of each of its
     values, and its rows so far (a tensor per value, grown as generated tokens come). A request whose capture names
     a destination the worker could open (`shared_rows`) keeps its rows there: ``region`` (``[values, rows, hidden]``),
-    its own rows from row ``first`` on, and ``tensors`` are views of them."""
+    its own rows from row ``first`` on, ``capacity`` of them (``tensors`` is then empty)."""
 
     wire: dict[str, Any]
     slots: list[int]
@@ -170,14 +170,18 @@ class KeptRows:
     taken: bool = False
     region: Region | None = None
     first: int = 0
+    capacity: int = 0
 
     def room(self, rows: int) -> None:
-        """Make each tensor hold at least ``rows`` rows (doubling), keeping what it holds."""
+        """Make each tensor hold at least ``rows`` rows (doubling), keeping what it holds; a region's rows cannot
+        grow."""
+        if self.region is not None:
+            if rows > self.capacity:
+                raise RuntimeError(f"a request kept {rows} rows into a region that holds {self.capacity} for it")
+            return
         capacity = self.tensors[0].shape[0]
         if rows <= capacity:
             return
-        if self.region is not None:
-            raise RuntimeError(f"a request kept {rows} rows into a region that holds {capacity} for it")
         capacity = max(rows, 2 * capacity)
         grown = []
         for tensor in self.tensors:
@@ -400,8 +404,8 @@ class Capturer:
             if region is not None:
                 first = wire[INTO]["first"]
                 count = kept_count(wire, wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1))
-                tensors = [values[first : first + count] for values in region.tensor]
-                kept = KeptRows(wire, slots, tensors, region=region, first=first)
+                capacity = max(0, min(count, region.rows - first))
+                kept = KeptRows(wire, slots, [], region=region, first=first, capacity=capacity)
             else:
                 expected = wire["prompt_tokens"] + max(0, (state.sampling_params.max_tokens or 1) - 1)
                 capacity = max(1, min(kept_count(wire, expected), wire["prompt_tokens"] + 16))

@@ -31,7 +31,7 @@ class SharedRows:
     a memory file of its own, or the bytes of ``file`` from ``start`` on (a file as long as that already, ``start``
     a multiple of ``dtype``'s size).
 
-    ``tensor`` is the region; `close` lets go of it (the worker lets go of its own mapping when the requests
+    ``tensor`` is the region; `close` lets go of it (the worker lets go of its own hold when the requests
     writing into it are taken).
     """
 
@@ -44,12 +44,13 @@ class SharedRows:
         self.descriptor: int | None = None
         if file is None:
             self.descriptor = os.memfd_create("nnterp-vllm-rows", os.MFD_CLOEXEC)
-            os.ftruncate(self.descriptor, max(1, count * torch.empty((), dtype=dtype).element_size()))
+            os.ftruncate(self.descriptor, max(1, count * dtype.itemsize))
             self.path = f"/proc/{os.getpid()}/fd/{self.descriptor}"
         else:
             self.path = str(Path(file).resolve())
-        self.offset = start // torch.empty((), dtype=dtype).element_size()
-        self.tensor = mapped(self.path, self.offset, self.shape, dtype)
+        self.offset = start // dtype.itemsize
+        mapping = torch.from_file(self.path, shared=True, size=self.offset + max(1, count), dtype=dtype)
+        self.tensor = mapping[self.offset : self.offset + count].view(self.shape)
 
     def destination(self, first: int) -> dict[str, Any]:
         """A capture's ``INTO`` entry: the request's rows go to this region from row ``first`` on."""
@@ -76,17 +77,16 @@ class SharedRows:
 
 
 class Region:
-    """A destination as the worker holds it: ``tensor``, the region mapped (each request's rows a view of it), and
-    `put`, which writes rows into it through the file (the kernel copies them into its pages, where filling a fresh
-    mapping would fault each page in first). `close` lets go of both."""
+    """A destination as the worker holds it: its ``rows`` per value, and `put`, which writes rows into it through the
+    file (the kernel copies them into its pages, where filling a fresh mapping would fault each page in first).
+    `close` lets go of it."""
 
     def __init__(self, into: dict[str, Any], dtype: torch.dtype) -> None:
-        shape = tuple(into["shape"])
-        self.tensor = mapped(into["path"], into["offset"], shape, dtype)
+        _, self.rows, hidden = into["shape"]
         self.dtype = dtype
-        self.row_bytes = shape[2] * torch.empty((), dtype=dtype).element_size()
-        self.value_bytes = shape[1] * self.row_bytes
-        self.start = into["offset"] * torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = hidden * dtype.itemsize
+        self.value_bytes = self.rows * self.row_bytes
+        self.start = into["offset"] * dtype.itemsize
         self.descriptor = os.open(into["path"], os.O_WRONLY | os.O_CLOEXEC)
 
     def put(self, row: int, rows: torch.Tensor) -> None:
@@ -111,16 +111,8 @@ def open_region(into: dict[str, Any], dtype: torch.dtype) -> Region | None:
         return None
     try:
         return Region(into, dtype)
-    except (RuntimeError, OSError):
+    except OSError:
         return None
-
-
-def mapped(path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The ``shape`` tensor of ``dtype`` at element ``offset`` of the file at ``path``, mapped shared."""
-    count = shape[0] * shape[1] * shape[2]
-    return torch.from_file(path, shared=True, size=offset + max(1, count), dtype=dtype)[offset : offset + count].view(
-        shape
-    )
 
 
 __all__ = ["INTO", "Region", "SharedRows", "open_region"]

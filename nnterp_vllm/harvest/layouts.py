@@ -125,7 +125,7 @@ def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tup
     header: dict[str, Any] = {}
     start = 0
     for name, dtype, shape in tensors:
-        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        size = int(np.prod(shape)) * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": shape, "data_offsets": [start, start + size]}
         start += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -133,11 +133,11 @@ def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tup
     return len(text).to_bytes(8, "little") + text, start
 
 
-def _by_element_size(columns: Columns) -> tuple[list[str], list[tuple[str, torch.dtype, list[int]]]]:
-    """``columns``' names, larger elements first, as safetensors orders them (every tensor starts aligned to its
-    element size), and each one's (name, dtype, shape)."""
+def _by_element_size(columns: Columns) -> list[tuple[str, torch.dtype, list[int]]]:
+    """Each of ``columns`` as (name, dtype, shape), larger elements first, as safetensors orders them (every tensor
+    starts aligned to its element size)."""
     order = sorted(columns, key=lambda name: -columns[name][0].element_size())
-    return order, [
+    return [
         (name, columns[name][0].dtype, [sum(len(part) for part in columns[name]), *columns[name][0].shape[1:]])
         for name in order
     ]
@@ -147,9 +147,9 @@ def write_tensors(path: Path, columns: Columns) -> str:
     """Write ``columns`` as one safetensors file at ``path``, straight from their parts (no joined copy);
     its checksum (`checksums.CHECKSUM`), computed from the bytes as they are written."""
     parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
-    order, tensors = _by_element_size(parts)
+    tensors = _by_element_size(parts)
     buffers = [safetensors_header(tensors)[0]]
-    buffers += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for name in order for part in parts[name]]
+    buffers += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for name, *_ in tensors for part in parts[name]]
     digest = HASHES[CHECKSUM]()
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -185,11 +185,11 @@ class Safetensors:
         for the tensors ``room`` names (name, dtype, shape; back to back, in that order, each no wider an element
         than ``columns``' narrowest); the byte at which that room starts. Its checksum is the file's, once filled."""
         parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
-        order, tensors = _by_element_size(parts)
+        tensors = _by_element_size(parts)
         head, data = safetensors_header([*tensors, *room])
         with open(path, "wb") as handle:
             handle.write(head)
-            for name in order:
+            for name, *_ in tensors:
                 for part in parts[name]:
                     handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
             start = handle.tell()

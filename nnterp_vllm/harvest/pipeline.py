@@ -84,7 +84,7 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
         placed, start = None, 0
         if in_place:
             room = [(name, dtype, list(shape[1:])) for name in names]
-            placed, start = place_shard(Path(job.out), unit.index, columns, room, job.settings)
+            placed, start = place_shard(Path(job.out), unit.index, columns, room)
         region = SharedRows(*shape, dtype, file=placed, start=start)
         shard = OpenShard(unit, columns, region, names, placed)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})

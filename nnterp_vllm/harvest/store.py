@@ -300,9 +300,7 @@ def write_shard(
     return {**record, "file": path.name, "bytes": path.stat().st_size, CHECKSUM: digest}
 
 
-def place_shard(
-    out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]], settings: dict[str, Any]
-) -> tuple[Path, int]:
+def place_shard(out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]]) -> tuple[Path, int]:
     """Begin shard ``index`` of a safetensors harvest with its values to be filled in place (`Safetensors.place`:
     ``columns`` written, the disk space for ``room`` taken now), under a temporary name that `write_shard` renames:
     that file and the byte its room starts at. A failure leaves nothing behind."""

@@ -225,7 +225,6 @@ def read_grid(path: str | Path) -> dict[str, Any]:
     return grid
 
 
-#: The spec a grid file's ``vectors`` entry with a ``kind`` makes, and the fields it takes beside ``kind``.
 def grid_vector(path: Path, name: str, entry: Any) -> Any:
     """One ``vectors`` entry of a grid file: a list of floats, the vector file it names (relative to the grid), or
     a spec by its ``kind`` (`specs.KINDS`; a clamp's ``sae`` a SAELens directory relative to the grid)."""
