@@ -3,7 +3,8 @@
 Each function takes a standardized model (or, as nnterp's did, a plain nnsight model on transformers'
 llama layout) and runs each prompt as its own invoke, so it runs on vLLM as on transformers. Results
 are on the CPU. Arguments are checked, and values the model cannot serve are refused with
-`UnavailableValue` and the reason, before anything runs.
+`UnavailableValue` and the reason, before anything runs. ``remote=`` goes to every trace a function runs
+(`nnsight_utils`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from .nnsight_utils import (
     get_unembed_norm,
     is_standardized,
     layer_list,
-    local_only,
     project_on_vocab,
     prompt_list,
     read_at,
@@ -58,7 +58,6 @@ def logit_lens(
 
     With ``return_inv_logits`` also those of the negated normed states (nnterp's inverse lens), as a pair.
     """
-    local_only(remote, "logit_lens")
     prompts = prompt_list(prompts, "logit_lens")
     layers = list(range(get_num_layers(nn_model)))
 
@@ -71,7 +70,7 @@ def logit_lens(
         return probabilities, inverse
 
     with torch.no_grad():
-        rows = each_prompt(nn_model, prompts, lens)
+        rows = each_prompt(nn_model, prompts, lens, remote=remote)
     if return_inv_logits:
         return torch.cat([row[0] for row in rows]).cpu(), torch.cat([row[1] for row in rows]).cpu()
     return torch.cat(rows).cpu()
@@ -231,7 +230,6 @@ def patchscope_lens(
     target prompt's token ``index_to_patch``; the result is the target's next-token probabilities. The
     default target is `repeat_prompt`.
     """
-    local_only(remote, "patchscope_lens")
     if latents is not None and source_prompts is not None:
         raise ValueError("patchscope_lens: give source_prompts or latents, not both")
     if latents is None and source_prompts is None:
@@ -256,7 +254,7 @@ def patchscope_lens(
     if len(targets) != num_sources:
         raise ValueError(f"patchscope_lens: {num_sources} sources need as many target prompts, got {len(targets)}")
     if latents is None:
-        latents = get_token_activations(nn_model, source_prompts, layers=layers)
+        latents = get_token_activations(nn_model, source_prompts, layers=layers, remote=remote)
     per_layer = []
     with torch.no_grad():
         for row, layer in enumerate(layers):
@@ -265,7 +263,7 @@ def patchscope_lens(
                 _patch_at(get_layer_output(nn_model, layer), int(targets.index_to_patch[index]), latents[row][index])
                 return get_next_token_probs(nn_model)
 
-            per_layer.append(torch.cat(each_prompt(nn_model, targets.prompts, patched)).cpu())
+            per_layer.append(torch.cat(each_prompt(nn_model, targets.prompts, patched, remote=remote)).cpu())
     return torch.stack(per_layer, dim=1)
 
 
@@ -284,21 +282,22 @@ def patchscope_generate(
     invoke holds them) followed by ``max_length`` greedy tokens. The patch is made on the prompt's
     forward pass; at most ``max_batch_size`` generations run together.
     """
-    local_only(remote, "patchscope_generate")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"patchscope_generate: max_length must be a positive int, got {max_length!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"patchscope_generate: max_batch_size must be a positive int, got {max_batch_size!r}")
     prompts = prompt_list(prompts, "patchscope_generate")
     layers = layer_list(nn_model, layers)
-    hiddens = get_token_activations(nn_model, prompts, layers=layers)
+    hiddens = get_token_activations(nn_model, prompts, layers=layers, remote=remote)
     jobs = [(row, index) for row in range(len(layers)) for index in range(len(prompts))]
     tokens: dict[tuple[int, int], Any] = {}
     steps: dict[tuple[int, int, int], Any] = {}
     with torch.no_grad():
         for start in range(0, len(jobs), max_batch_size):
             chunk = jobs[start : start + max_batch_size]
-            with nn_model.generate(max_new_tokens=max_length, min_new_tokens=max_length, do_sample=False) as tracer:
+            with nn_model.generate(
+                max_new_tokens=max_length, min_new_tokens=max_length, do_sample=False, remote=remote
+            ) as tracer:
                 for row, index in chunk:
                     with tracer.invoke(target_patch_prompt.prompt):
                         tokens[row, index] = nn_model.input_ids.save()

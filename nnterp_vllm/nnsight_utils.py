@@ -5,7 +5,8 @@ through its public values (``model.layers_output[i]``, ``model.next_token_probs`
 vLLM as on transformers. As nnterp's did, they also take a plain nnsight model on transformers' llama
 layout (``model.model.layers``), whose native module outputs they read. Over several prompts each
 prompt is its own invoke (vLLM serves one prompt per invoke; transformers batches the invokes, padded
-on the tokenizer's side).
+on the tokenizer's side). A helper's ``remote=`` goes to each trace it runs, as in nnsight: ``"local"`` is
+the dry run of sending it (`engines.remote`), ``True`` or a host URL sends it to NDIF.
 """
 
 from __future__ import annotations
@@ -136,12 +137,6 @@ def get_next_token_probs(model: Any) -> Any:
     return model.next_token_probs if is_standardized(model) else get_logits(model)[:, -1, :].softmax(-1)
 
 
-def local_only(remote: bool, what: str) -> None:
-    """Refuse ``remote=True`` (NDIF execution), which nnterp's helpers took."""
-    if remote:
-        raise ValueError(f"{what}: remote=True (NDIF execution) is not supported; run the model locally")
-
-
 def prompt_list(prompts: Any, what: str) -> list:
     """``prompts`` as a list of prompts: one string, token-id list, tensor or tokenizer output is a list of one."""
     if isinstance(prompts, (str, torch.Tensor, dict)) or (
@@ -214,7 +209,6 @@ def get_token_activations(
     """
     if tracer is None and prompts is None:
         raise ValueError("get_token_activations: give prompts, or call it inside a trace with tracer=")
-    local_only(remote, "get_token_activations")
     get_activations = get_activations or get_layer_output
     idx = -1 if idx is None else idx
     _check_index(nn_model, idx, "get_token_activations")
@@ -226,6 +220,7 @@ def get_token_activations(
             nn_model,
             prompt_list(prompts, "get_token_activations"),
             lambda _: read_at(nn_model, layers, get_activations, idx),
+            remote=remote,
         )
     return torch.cat(rows, dim=1).cpu()
 
@@ -261,10 +256,12 @@ collect_last_token_activations_session = collect_token_activations_batched
 
 def compute_next_token_probs(nn_model: Any, prompt: Any, remote: bool = False) -> torch.Tensor:
     """The next-token probabilities of each prompt: ``[prompts, vocab]``."""
-    local_only(remote, "compute_next_token_probs")
     with torch.no_grad():
         rows = each_prompt(
-            nn_model, prompt_list(prompt, "compute_next_token_probs"), lambda _: get_next_token_probs(nn_model)
+            nn_model,
+            prompt_list(prompt, "compute_next_token_probs"),
+            lambda _: get_next_token_probs(nn_model),
+            remote=remote,
         )
     return torch.cat(rows).cpu()
 

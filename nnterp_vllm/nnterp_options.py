@@ -14,7 +14,9 @@ from . import families
 
 #: Options nnterp needs for its own load-time checks; here the checks (family lookup, the default family's
 #: ``check``) always run and run no forward pass, so these change nothing and are accepted as they are.
-WITHOUT_EFFECT = ("check_renaming", "allow_dispatch", "check_attn_probs_with_trace", "allow_multimodal")
+#: ``remote=True`` among them: nnterp built such a model without loading weights, as every model is built here (its
+#: weights load when a local trace first needs them); its traces go elsewhere with ``trace(..., remote=...)``.
+WITHOUT_EFFECT = ("check_renaming", "allow_dispatch", "check_attn_probs_with_trace", "allow_multimodal", "remote")
 
 #: nnterp's earlier ``<module>_rename=`` options and `RenameConfig`'s ``<module>_name`` fields: the native
 #: name(s) of a module, given the standard name it answers to here.
@@ -102,16 +104,11 @@ def take(kwargs: dict[str, Any], engine: str) -> Options:
       (the pattern is rebuilt from the kernel's queries and keys when read). ``False``: transformers' default
       attention is used (the pattern and the attention interior then report unavailable) unless
       ``attn_implementation`` says; on vLLM it changes nothing.
-    - ``remote=True`` (NDIF) is refused; ``rename_config`` and the ``<module>_rename`` options become
+    - ``rename_config`` and the ``<module>_rename`` options become
       ``rename`` entries; ``tokenizer_kwargs`` are set on the tokenizer after the build; the options in
       `WITHOUT_EFFECT` are accepted. ``trust_remote_code`` and ``rename`` are this library's own too.
     """
     options = Options()
-    if kwargs.pop("remote", False):
-        raise ValueError(
-            "remote=True (NDIF execution) is not supported: the standardized values run in this process's "
-            "engine. Load the model locally (remote=False)."
-        )
     _enable_attention_probs(kwargs, engine)
     for name in WITHOUT_EFFECT:
         kwargs.pop(name, None)

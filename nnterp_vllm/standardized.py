@@ -363,6 +363,17 @@ class Standardized:
         text = getattr(config, "text_config", None)
         return getattr(text, "model_type", None) or config.model_type
 
+    # -- the remote key -------------------------------------------------------
+
+    def _remote_backend(self, remote: bool | str, blocking: bool, job_id: str | None, verbose: bool) -> Any:
+        """Where ``trace(..., remote=...)`` sends the trace: ``"local"`` is the dry run against a server with this
+        library installed (`engines.remote.InstalledServerSimulation`); ``True`` or a host URL is nnsight's."""
+        if remote == "local":
+            from .engines.remote import InstalledServerSimulation
+
+            return InstalledServerSimulation(self, verbose=verbose)
+        return super()._remote_backend(remote, blocking, job_id, verbose)  # type: ignore[misc]
+
     # -- support --------------------------------------------------------------
 
     def support(self) -> dict[str, Any]:

@@ -263,10 +263,12 @@ def test_nnterp_constructor_options_are_taken_with_their_meaning(engines):
         allow_dispatch=False,
         tokenizer_kwargs={"padding_side": "right"},
         attn_rename="no_such_module",
+        remote=True,
     )
     assert fast.config._attn_implementation == "sdpa" and not fast.attn_probs_available
     assert "attn_implementation='eager'" in fast.support()["self_attn.attention_probabilities"]
     assert fast.tokenizer.padding_side == "right"
+    assert not fast.dispatched  # remote=True: nothing loaded here, as for every model until a local trace
     assert StandardizedTransformer(engines.path, enable_attention_probs=True).attn_probs_available
     config = RenameConfig(attn_name="attention", ln_final_name=["ln_f", "final_norm"], mlp_name="ffn")
     taken = nnterp_options.take({"rename_config": config, "layers_rename": "blocks"}, "transformers")
@@ -283,7 +285,6 @@ def test_nnterp_constructor_options_are_taken_with_their_meaning(engines):
     "engine, kwargs, message",
     [
         ("transformers", {"enable_attention_probs": True, "attn_implementation": "sdpa"}, "needs attn_implementation"),
-        ("transformers", {"remote": True}, "NDIF"),
         (
             "vllm",
             {"rename_config": RenameConfig(attn_prob_source=object())},
@@ -317,6 +318,23 @@ def test_logit_lens_and_next_token_probs_equal_transformers_on_both_engines(engi
     hf_next, vllm_next = on_both(engines, lambda model: compute_next_token_probs(model, list(PAIR)))
     close(hf_next, probs[:, -1])
     close(vllm_next, probs[:, -1])
+
+
+def test_helpers_send_their_traces_as_remote_says_on_both_engines(engines):
+    """``remote="local"``: every trace a helper runs is serialized and rebuilt as a server would, then run here."""
+
+    def helpers(model, remote):
+        source, target = PAIR
+        return (
+            logit_lens(model, list(PAIR), remote=remote),
+            get_token_activations(model, [*PAIR, PROMPT[-13:]], layers=[1, 0], remote=remote),
+            patchscope_lens(model, source, TargetPrompt(target, -1), layers=[0, 1], remote=remote),
+            patchscope_generate(model, source, TargetPrompt(target, -1), 3, [1], remote=remote)[1],
+        )
+
+    for model in (engines.hf, engines.vllm):
+        for sent, here in zip(helpers(model, "local"), helpers(model, False)):
+            close(sent, here, {"atol": 0, "rtol": 0})
 
 
 def test_token_activations_equal_the_hidden_states_on_both_engines(engines):
@@ -431,7 +449,6 @@ def test_plot_topk_tokens_renders_the_top_tokens_per_layer(engines, tmp_path):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda m: logit_lens(m, PROMPT, remote=True), ValueError, "remote=True"),
         (lambda m: logit_lens(m, []), ValueError, "non-empty list of prompts"),
         (lambda m: get_token_activations(m), ValueError, "give prompts"),
         (lambda m: get_token_activations(m, PROMPT, idx=2), ValueError, "needs right padding"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
@@ -12,6 +13,7 @@ from .. import arguments, dtypes, families, nnterp_options
 from ..families import default
 from ..standardized import SAEs, Standardized, max_positions
 from . import saving
+from .remote import checkpoint_key
 from .tensor_parallel import as_distributed_config, check_heads_split, transformers_degree
 from .tracing import Tracer, one_forward_pass, refuse_generation_arguments, warn_mediators_wrote_parameters
 
@@ -86,6 +88,21 @@ class StandardizedTransformer(Standardized, TransformersModel):
         if isinstance(held, torch.dtype):
             return held
         return next(parameter.dtype for parameter in self._module.parameters() if parameter.is_floating_point())
+
+    def _remoteable_model_key(self) -> str:
+        """The checkpoint half of this model's remote key (`engines.remote`): nnsight's, a local directory named by
+        its absolute path instead of being looked up on the hub."""
+        from nnsight.modeling import huggingface
+
+        if not self.repo_id:
+            raise ValueError(
+                "this model was given already loaded, with no checkpoint behind it (its config's name_or_path is "
+                "empty), so a server cannot load it: build the model from a checkpoint directory or hub id to "
+                "send its traces elsewhere"
+            )
+        if os.path.isdir(os.path.expanduser(self.repo_id)):  # nnsight's cache of the hub's id for each checkpoint
+            huggingface._ID_CACHE[self.repo_id] = checkpoint_key(self.repo_id)
+        return super()._remoteable_model_key()
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         """A trace: one forward pass over the inputs, its body interleaved with it.

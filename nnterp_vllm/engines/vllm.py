@@ -39,6 +39,7 @@ from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import SAEs, Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
+from .remote import checkpoint_key
 from .tensor_parallel import check_heads_split
 from .tracing import (
     PARAMETER_READS,
@@ -310,6 +311,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         except WithBlockNotFoundError:
             return self._generate(*inputs, **kwargs)
         return tracer
+
+    def _remoteable_model_key(self) -> str:
+        """The checkpoint half of this model's remote key (`engines.remote`): a local directory's absolute path, or
+        the hub id."""
+        return checkpoint_key(self.args[0])
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
         if inputs:
