@@ -1,4 +1,5 @@
-"""Serving throughput and latency: vLLM's own OpenAI server against ``nnterp-vllm serve`` with every request steered.
+"""Serving throughput and latency: vLLM's own OpenAI server against ``nnterp-vllm serve`` with every request steered;
+with ``--traces``, nnsight traces sent to ``nnterp-vllm serve --traces`` against nnsight's own nnsight-serve.
 
 Both servers serve SmolLM2-135M (fp32, CPU) with the same engine arguments, one after the other in
 this run (two at once would share the CPUs). An asyncio client streams ``/v1/completions`` requests
@@ -7,7 +8,15 @@ request carries its own steering vector at one layer. Prints, per server and lev
 time to first token (TTFT) and inter-token latency (ITL), mean and p50, and steered / plain ratios.
 Asserts nothing.
 
+``--traces``: each of ``--clients`` threads sends ``--traces-per-client`` one-prompt traces, one after the
+other, each saving every block's last-token residual stream, with nnsight's client (``serve=url``): traces/s
+on ``nnterp-vllm serve --traces --api-key`` against the same traces sent one at a time, and against
+nnsight-serve (nnsight's own server and handler, no authentication, on nnsight's ``VLLM`` as this project runs
+it on vLLM's CPU build) hosting the same model; then the OpenAI routes' tokens/s on our server with trace
+clients running against with none.
+
     python benchmarks/serve.py [--concurrency 1 16 64] [--tokens 32] [--requests-per-level 2]
+    python benchmarks/serve.py --traces [--clients 16] [--traces-per-client 4]
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +53,24 @@ SERVERS = {
     "vllm serve": [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"],
     "nnterp-vllm serve, every request steered": [str(BIN / "nnterp-vllm"), "serve"],
 }
+TRACES, NNSIGHT_SERVE = "nnterp-vllm serve --traces", "nnsight-serve"
+KEY = "benchmark-key"
+#: nnsight-serve: nnsight's app and handler (``nnsight.modeling.vllm.serve``) on nnsight's ``VLLM``, built as
+#: its ``nnsight-serve`` command builds it, with the CPU build's worker (`PlatformVLLM`) it needs here.
+NNSIGHT_SERVE_SCRIPT = """
+import argparse, uvicorn
+from nnsight.modeling.vllm.serve.server import app, set_model
+from nnterp_vllm.engines.vllm_platform import PlatformVLLM
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    args, _ = parser.parse_known_args()
+    set_model(PlatformVLLM(args.model, mode="async", dispatch=True, **ENGINE))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+"""
 
 
 @dataclass
@@ -60,10 +89,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start(name: str, log: Path, command: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [*SERVERS[name], "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    command = command or [*SERVERS[name], "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
+    command = [*command, "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -81,12 +110,17 @@ def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then whatever of the server's session is left (nnsight-serve leaves its engine core running)."""
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(120)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def body(prompt: str, tokens: int, steering: torch.Tensor | None) -> dict:
@@ -114,11 +148,11 @@ async def one(client: httpx.AsyncClient, url: str, request: dict, level: Level) 
     level.itl.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
 
 
-async def run_level(url: str, requests: list[dict], concurrency: int) -> Level:
+async def run_level(url: str, requests: list[dict], concurrency: int, headers: dict | None = None) -> Level:
     level = Level()
     limit = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
 
         async def bounded(request: dict) -> None:
             async with limit:
@@ -139,6 +173,109 @@ def steering_changes_output(url: str, vector: torch.Tensor) -> bool:
     return texts[0] != texts[1]
 
 
+def standardized_trace(model: object, prompt: str, url: str) -> torch.Tensor:
+    """Every block's last-token residual stream, by the standardized names, sent to ``url``."""
+    with model.trace(prompt, serve=url, api_key=KEY):
+        kept = [block.layer_output[0, -1] for block in model.layers]
+        stacked = torch.stack(kept).save()
+    return stacked
+
+
+def native_trace(model: object, prompt: str, url: str) -> torch.Tensor:
+    """The same, as a trace against nnsight's ``VLLM`` reads it (a vLLM llama block returns hidden and residual)."""
+    with model.trace(prompt, serve=url):
+        kept = [block.output[0][-1] + block.output[1][-1] for block in model.model.layers]
+        stacked = torch.stack(kept).save()
+    return stacked
+
+
+def traces_per_second(send: Callable[[str], torch.Tensor], texts: list[str], clients: int) -> float:
+    """``clients`` threads, each sending its share of ``texts`` one trace after the other: traces/s."""
+    shares = [texts[index::clients] for index in range(clients)]
+    threads = [threading.Thread(target=lambda share=share: [send(text) for text in share]) for share in shares]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(texts) / (time.perf_counter() - started)
+
+
+def openai_tokens_per_second(url: str, texts: list[str], tokens: int, concurrency: int) -> float:
+    requests = [body(text, tokens, None) for text in texts]
+    level = asyncio.run(run_level(url, requests, concurrency, {"Authorization": f"Bearer {KEY}"}))
+    return level.tokens / level.wall
+
+
+def openai_beside_traces(url: str, send: Callable[[str], torch.Tensor], texts: list[str], args: argparse.Namespace):
+    """The OpenAI routes' tokens/s on ``url`` alone, then with ``args.clients`` threads sending traces throughout."""
+    alone = openai_tokens_per_second(url, texts, args.tokens, args.clients)
+    done = threading.Event()
+
+    def keep_sending() -> None:
+        while not done.is_set():
+            send(texts[0])
+
+    senders = [threading.Thread(target=keep_sending) for _ in range(args.clients)]
+    for thread in senders:
+        thread.start()
+    beside = openai_tokens_per_second(url, texts, args.tokens, args.clients)
+    done.set()
+    for thread in senders:
+        thread.join()
+    return alone, beside
+
+
+def measure_traces(args: argparse.Namespace) -> None:
+    from nnterp_vllm import StandardizedVLLM
+    from nnterp_vllm.engines.vllm_platform import PlatformVLLM
+
+    texts = prompts(args.clients * args.traces_per_client)
+    engine = {flag[2:].replace("-", "_"): value for flag, value in zip(ENGINE[::2], ENGINE[1::2])}
+    engine = {key: int(value) if value.isdigit() else value for key, value in engine.items()}
+    clients = f"{args.clients} clients"
+    figures: dict[str, float] = {}
+    kept: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as logs:
+        script = Path(logs) / "nnsight_serve.py"
+        script.write_text(NNSIGHT_SERVE_SCRIPT.replace("**ENGINE", "**" + repr(engine)))
+        ours = [str(BIN / "nnterp-vllm"), "serve", "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
+        servers = {
+            TRACES: (ours + ["--traces", "--api-key", KEY], StandardizedVLLM, standardized_trace),
+            NNSIGHT_SERVE: ([sys.executable, str(script), "--model", str(smollm2())], PlatformVLLM, native_trace),
+        }
+        for name, (command, client_class, trace) in servers.items():
+            process, url = start(name, Path(logs) / f"{len(kept)}.log", command)
+            try:
+                client = client_class(str(smollm2()), **engine)
+
+                def send(text: str, client=client, trace=trace, url=url) -> torch.Tensor:
+                    return trace(client, text, url)
+
+                kept[name] = send(texts[0])
+                traces_per_second(send, texts[: args.clients], args.clients)  # warm-up
+                figures[f"{name}, {clients}"] = traces_per_second(send, texts, args.clients)
+                print(f"  {name}: {figures[f'{name}, {clients}']:.2f} traces/s", file=sys.stderr)
+                if name == TRACES:
+                    figures[f"{name}, one at a time"] = traces_per_second(send, texts[: args.clients], 1)
+                    alone, beside = openai_beside_traces(url, send, texts[: args.clients], args)
+                    figures["OpenAI tokens/s, no traces"], figures["OpenAI tokens/s, traces running"] = alone, beside
+            finally:
+                stop(process)
+    difference = (kept[TRACES] - kept[NNSIGHT_SERVE]).abs().max().item()
+    print(
+        f"SmolLM2-135M fp32 on CPU; a trace: one prompt, every block's last-token residual saved; {clients} x "
+        f"{args.traces_per_client} traces each (the two servers' values differ by {difference:.1e})"
+    )
+    for name, value in figures.items():
+        print(f"  {name:48s} {value:9.2f}")
+    concurrent = figures[f"{TRACES}, {clients}"]
+    print(f"  ours, {clients} / one at a time: {concurrent / figures[f'{TRACES}, one at a time']:.3f}")
+    print(f"  ours / nnsight-serve, {clients}: {concurrent / figures[f'{NNSIGHT_SERVE}, {clients}']:.3f}")
+    openai = figures["OpenAI tokens/s, traces running"] / figures["OpenAI tokens/s, no traces"]
+    print(f"  OpenAI tokens/s with traces running / none: {openai:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
@@ -146,7 +283,13 @@ def main() -> None:
     parser.add_argument(
         "--requests-per-level", type=int, default=2, help="requests per level, as a multiple of its concurrency"
     )
+    parser.add_argument("--traces", action="store_true", help="measure traces sent to the server instead")
+    parser.add_argument("--clients", type=int, default=16, help="with --traces: concurrent trace clients")
+    parser.add_argument("--traces-per-client", type=int, default=4, help="with --traces: traces each client sends")
     args = parser.parse_args()
+    if args.traces:
+        measure_traces(args)
+        return
     hidden_size = json.loads((smollm2() / "config.json").read_text())["hidden_size"]
     generator = torch.Generator().manual_seed(0)
     count = max(args.concurrency) * args.requests_per_level

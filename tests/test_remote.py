@@ -69,3 +69,10 @@ def test_a_trace_sent_locally_is_rebuilt_without_importing_anything_twice():
     assert typing._collect_parameters is collect_parameters
     assert sent[0, -1].abs().max() == 0 and torch.equal(sent[0, :-1], here[0, :-1])
     assert probabilities.shape == (1, model.vocab_size)
+
+
+def test_a_transformers_trace_is_not_sent_to_a_trace_server_and_says_where_to_send_it():
+    model = StandardizedTransformer(tiny.checkpoint("llama"))
+    with pytest.raises(ValueError, match=r"serve=: .* runs its traces on vLLM; send the trace from StandardizedVLLM"):
+        with model.trace(reference.PROMPT, serve="http://127.0.0.1:1"):
+            model.layers[0].layer_output.save()

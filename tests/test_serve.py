@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import socket
@@ -32,7 +33,18 @@ import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 
-from nnterp_vllm import SAE, Ablate, Cap, Capture, Clamp, SteeredVLLM, Steering, load_steering
+from nnterp_vllm import (
+    SAE,
+    Ablate,
+    Cap,
+    Capture,
+    Clamp,
+    StandardizedTransformer,
+    StandardizedVLLM,
+    SteeredVLLM,
+    Steering,
+    load_steering,
+)
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -55,6 +67,12 @@ CAPACITY = 5
 KEPT = ["layers.*.layer_output", "layers.0.mlp_output"]
 MAX_CAPTURE_BYTES = 100_000
 CAPTURED = Capture(["layers.1.layer_output", "layers.0.mlp_output"])
+#: The bounds of the traces the server runs (--traces).
+TRACE_BOUNDS = {"--max-trace-bytes": 2_000_000, "--trace-timeout": 4, "--max-saved-bytes": 1_000_000}
+#: A prompt as long as PROMPT (one token a character): a transformers batch of the two needs no padding.
+SAME_LENGTH = "Hello, how are you?"
+#: Prompts of the concurrent traces, one per client.
+TRACE_PROMPTS = ["Hello world", "The cat", "A dog ran far", "Blue sky", "One two three", "Red", "Green tea", "Paris is"]
 #: Captures of the SAEs' features the server holds (--sae): a TopK SAE's top 4, a standard SAE's chosen features.
 SAE_CAPTURES = [
     Capture("layers.2.sae_features", top_k=4),
@@ -120,6 +138,38 @@ def concurrent_cases(found: dict[str, torch.Tensor]) -> list[tuple[str, list[Ste
         else:
             cases.append((prompt, [], {}))
     return cases
+
+
+def trace_experiment(model, **send) -> tuple[torch.Tensor, ...]:
+    """Written once, as for a model of one's own: every block's last-token output, a write, three generated steps,
+    two invokes. ``send`` (``serve=``, ``api_key=``) sends each trace to a server."""
+    outputs = []
+    with model.trace(PROMPT, **send):
+        for block in model.layers:
+            outputs.append(block.layer_output[:, -1].save())
+        model.layers[model.num_layers - 1].layer_output[:, -1] *= 0.5
+        probs = model.next_token_probs.save()
+    with model.generate(PROMPT, max_new_tokens=3, **send) as tracer:
+        steps = list().save()
+        for _ in tracer.iter[:3]:
+            steps.append(model.layers[2].layer_output[0, -1])
+    with model.trace(**send) as tracer:
+        with tracer.invoke(PROMPT):
+            first = model.layers[0].layer_output.save()
+        with tracer.invoke(SAME_LENGTH):
+            second = model.layers[0].layer_output.save()
+    return torch.cat(outputs), probs, torch.stack(steps), first, second
+
+
+def client_trace(model, index: int, **send) -> tuple[torch.Tensor, ...]:
+    """Client ``index``'s own trace: its prompt, a write of its own at a block of its own, what follows."""
+    layer = index % 3
+    with model.trace(TRACE_PROMPTS[index], **send):
+        ids = model.input_ids.save()
+        model.layers[layer].layer_output[:, -1] *= index + 1
+        after = model.layers[2].layer_output.save()
+        probs = model.next_token_probs.save()
+    return ids, after, probs
 
 
 def free_port() -> int:
@@ -224,6 +274,11 @@ def served(tmp_path_factory):
     for name, (kind, hook, cfg) in hooks.items():
         reference.saelens_sae(directory / name, kind, hook, tiny.SIZES["hidden_size"], seed=5, **cfg)
     saes = {name: SAE.load(directory / name, name) for name in hooks}
+    local = StandardizedVLLM(path, **ENGINE)
+    try:
+        traced = trace_experiment(local)
+    finally:
+        local.shutdown()
     llm = SteeredVLLM(path, capture_values=KEPT, saes=list(saes.values()), **ENGINE)
     hidden_size = llm.hidden_size
     found = vectors(hidden_size)
@@ -287,7 +342,8 @@ def served(tmp_path_factory):
     arguments += ["--sae", *(f"{name}={directory / name}" for name in saes)]
     arguments += ["--api-key", KEY, "--max-steering-vectors", str(CAPACITY)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
-    server = Server(arguments, directory / "server.log")
+    traces = ["--traces", *(str(part) for bound in TRACE_BOUNDS.items() for part in bound)]
+    server = Server(arguments + traces, directory / "server.log")
     try:
         server.wait_ready()
         yield SimpleNamespace(
@@ -304,6 +360,7 @@ def served(tmp_path_factory):
             kept={"plain": kept[0].activations, "chat steered": kept[1].activations},
             sae_kept=[output.activations for output in kept[2:]],
             concurrent=list(zip(concurrent, tokens[len(single) :])),
+            traced=traced,
         )
     finally:
         server.stop()
@@ -870,6 +927,143 @@ def metrics(served) -> dict[str, float]:
     return found
 
 
+# -- traces (--traces): nnsight's own client, unchanged ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trace_client(served):
+    """A client's model: no weights, no engine; each trace is sent to the server with nnsight's client."""
+    return StandardizedVLLM(tiny.checkpoint("llama"), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    return StandardizedTransformer(tiny.checkpoint("llama"))
+
+
+def close_all(actual, expected, tolerance: float) -> None:
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_trace_sent_to_the_server_equals_the_local_engine_and_transformers(served, trace_client, transformers_model):
+    sent = trace_experiment(trace_client, serve=served.url, api_key=KEY)
+    assert trace_client.vllm_entrypoint is None  # a sent trace never starts an engine here
+    close_all(sent, served.traced, 1e-6)
+    close_all(sent, trace_experiment(transformers_model), 1e-4)
+
+
+def test_8_concurrent_traces_beside_openai_and_steered_requests_each_get_their_own(
+    served, trace_client, transformers_model
+):
+    traces: dict[int, tuple] = {}
+    completions: dict[str, list[int]] = {}
+
+    def send(index: int) -> None:
+        traces[index] = client_trace(trace_client, index, serve=served.url, api_key=KEY)
+
+    def complete(name: str, steering: list[dict] | None) -> None:
+        completions[name] = completion_tokens(served, steering, stream=False)
+
+    threads = [threading.Thread(target=send, args=(index,)) for index in range(len(TRACE_PROMPTS))]
+    threads += [
+        threading.Thread(target=complete, args=("plain", None)),
+        threading.Thread(target=complete, args=("steered", as_json(served.steered))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert completions == {name: served.expected[name] for name in ("plain", "steered")}
+    assert sorted(traces) == list(range(len(TRACE_PROMPTS)))
+    for index, sent in traces.items():
+        close_all(sent, client_trace(transformers_model, index), 1e-4)
+
+
+class WritesAFile:
+    """Unpickled, it creates the file at ``path`` (what a server that deserialized it would do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_trace_without_the_key_is_answered_401_and_never_deserialized(
+    served, trace_client, transformers_model, tmp_path
+):
+    marker = tmp_path / "written-by-the-server"
+    body = pickle.dumps(WritesAFile(marker))
+    url = served.url + "/v1/nnsight/generate"
+    for headers in ({}, {"ndif-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = httpx.post(url, content=body, headers={"Content-Type": "application/octet-stream", **headers})
+        assert response.status_code == 401, response.text
+        assert "ndif-api-key: <key>" in response.json()["detail"]
+    assert not marker.exists()
+    with pytest.raises(ConnectionError, match="401.*ndif-api-key"):
+        with trace_client.trace(PROMPT, serve=served.url):
+            trace_client.layers[0].layer_output.save()
+    with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):  # the key as nnsight's client sends it
+        probs = trace_client.next_token_probs.save()
+    with transformers_model.trace(PROMPT):
+        truth = transformers_model.next_token_probs.save()
+    torch.testing.assert_close(probs, truth, atol=1e-4, rtol=1e-4)
+
+
+def test_a_trace_past_a_bound_is_answered_with_the_bound_and_the_server_goes_on(served, trace_client):
+    large = torch.randn(TRACE_BOUNDS["--max-trace-bytes"] // 4 + 1000)
+    with pytest.raises(ConnectionError, match=r"413.*2000000 bytes, --max-trace-bytes"):
+        with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            trace_client.layers[0].layer_output[:, -1] += large[:128]
+    with pytest.raises(ConnectionError, match=r"413.*--max-saved-bytes"):
+        with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            _large = trace_client.layers[0].layer_output.expand(3000, -1, -1).clone().save()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"408.*4 s, --trace-timeout"):
+        with trace_client.generate(PROMPT, max_new_tokens=5, serve=served.url, api_key=KEY) as tracer:
+            for _ in tracer.iter[:5]:
+                time.sleep(1.5)  # each step held up; the request is aborted after the step it is in
+    assert time.monotonic() - started < 6
+    close_all(trace_experiment(trace_client, serve=served.url, api_key=KEY), served.traced, 1e-6)
+
+
+def test_a_traces_own_error_reaches_its_client_only_with_its_type(served, trace_client):
+    raised: dict[str, BaseException] = {}
+    sent: dict[str, tuple] = {}
+
+    def run(name: str, body) -> None:
+        try:
+            sent[name] = body()
+        except Exception as error:  # noqa: BLE001 - each client's own error is what is checked
+            raised[name] = error
+
+    def own_exception():
+        with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            trace_client.layers[0].layer_output.save()
+            raise KeyError("the trace's own")
+
+    def bad_write():
+        with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            trace_client.layers[1].layer_output[:, 999] = 0
+
+    def good():
+        return trace_experiment(trace_client, serve=served.url, api_key=KEY)
+
+    threads = [
+        threading.Thread(target=run, args=("own", own_exception)),
+        threading.Thread(target=run, args=("write", bad_write)),
+        threading.Thread(target=run, args=("good", good)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert "KeyError" in str(raised["own"]) and "the trace's own" in str(raised["own"])
+    assert isinstance(raised["write"], IndexError) and "999" in str(raised["write"])
+    close_all(sent["good"], served.traced, 1e-6)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_request(served):
     tokens = 256 - len(PROMPT) - 1
     before = metrics(served)["vllm:generation_tokens_total"]
@@ -900,7 +1094,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(served):
 
 
 def test_two_replicas_on_ray_serve_answer_steered_requests(served):
-    """``--replicas 2`` on a local Ray cluster the server starts (and stops on SIGTERM)."""
+    """``--replicas 2`` on a local Ray cluster the server starts (and stops on SIGTERM); without ``--traces``."""
     home = Path.home() / ".ray"
     before = set(home.rglob("*")) if home.exists() else set()
     server = Server(
@@ -952,6 +1146,11 @@ def test_an_async_client_works_after_nnsight_is_imported():
         (["--headless"], "--headless is not served with steering"),
         (["--sae", "res1"], r"--sae takes NAME=DIR \(a name, then a SAELens SAE directory\), got 'res1'"),
         (["--sae", "res1=/nowhere"], "SAE.load: /nowhere is not a directory"),
+        (["--traces"], "--traces without --api-key would run code sent by anyone who reaches every interface"),
+        (["--traces", "--host", "0.0.0.0"], r"reaches --host 0\.0\.0\.0: give --api-key, or serve on a loopback"),
+        (["--traces", "--api-key", "k", "--replicas", "2"], "--traces is served by one server"),
+        (["--trace-timeout", "0"], "--trace-timeout must be > 0, got 0"),
+        (["--max-saved-bytes", "-1"], "--max-saved-bytes must be > 0, got -1"),
     ],
 )
 def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(flags, message):

@@ -21,6 +21,9 @@ from typing import Any
 
 from nnsight.intervention.backends.local import LocalSimulationBackend
 
+#: The route of a trace server (nnsight-serve's, and ``nnterp-vllm serve --traces``') that a trace is posted to.
+TRACE_PATH = "/v1/nnsight/generate"
+
 
 def checkpoint_key(checkpoint: str) -> str:
     """``checkpoint`` as a model key names it: a local directory by its absolute path, a hub id as it is."""

@@ -69,18 +69,22 @@ def mark_in_worker(mediator: Any) -> None:
     mark(scope[WRITTEN])
 
 
-def fill_originals(mediator: Any, saves: dict[str, Any], lengths: dict[int, int]) -> None:
-    """On the client: put the items a request added to a container it did not bind into the original.
+def fill_originals(
+    scope: dict[str, Any], saves: dict[str, Any], lengths: dict[int, int], kept: Iterable[str] = ()
+) -> None:
+    """On the client: put the items a request added to a container it did not bind into the original, the one
+    ``scope`` holds under that name (a block's variables, or the frame a trace was written in).
 
     ``saves`` is one request's saved values; the containers merged into the originals are removed
     from it (the originals, now filled, are handed back instead). ``lengths`` holds each original
-    list's length before any request's items went in (filled in here on first sight).
+    list's length before any request's items went in (filled in here on first sight). Names in ``kept`` (saved
+    before the trace ran) are left as they came.
     """
     written = saves.pop(WRITTEN, None)
     if written is None:
         return
-    scope = mediator.lcls
-    for name in [name for name in saves if name not in written and name not in mediator.presaved]:
+    kept = set(kept)
+    for name in [name for name in saves if name not in written and name not in kept]:
         try:
             original = scope[name]
         except KeyError:
@@ -106,7 +110,7 @@ def fill_from_outputs(mediators: list[Any], outputs: list[Any]) -> None:
     lengths: dict[int, int] = {}
     for mediator, output in zip(mediators, outputs):
         for saves in getattr(output, "nnsight_sequences", None) or [getattr(output, "nnsight_saves", None) or {}]:
-            fill_originals(mediator, saves, lengths)
+            fill_originals(mediator.lcls, saves, lengths, mediator.presaved)
     take(outputs, WRITTEN)
 
 

@@ -109,7 +109,12 @@ class StandardizedTransformer(Standardized, TransformersModel):
 
         Generation arguments (``max_new_tokens``, ``do_sample``, ``temperature``, any of transformers' or vLLM's
         sampling settings) are refused with ``TypeError``: ``generate`` takes them. (``generate`` runs through
-        here too, naming itself as ``fn``.)"""
+        here too, naming itself as ``fn``.) ``serve=`` is refused: a trace server runs vLLM."""
+        if "serve" in kwargs:
+            raise ValueError(
+                "serve=: a trace server (nnterp-vllm serve --traces) runs its traces on vLLM; send the trace from "
+                "StandardizedVLLM(checkpoint), which loads nothing here, or to NDIF with remote=True"
+            )
         kwargs.setdefault("tracer_cls", Tracer)
         if kwargs.get("fn") is not None:
             return super().trace(*inputs, **kwargs)

@@ -11,6 +11,7 @@ computed from the final norm with the model's own head (vLLM itself computes the
 from __future__ import annotations
 
 import dis
+import io
 import weakref
 from types import CodeType, ModuleType
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.errors import raise_deferred as raise_as_nnsight
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
+from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 
 from .. import arguments, families, nnterp_options
@@ -39,7 +41,7 @@ from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import SAEs, Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
-from .remote import checkpoint_key
+from .remote import TRACE_PATH, checkpoint_key
 from .tensor_parallel import check_heads_split
 from .tracing import (
     PARAMETER_READS,
@@ -178,6 +180,30 @@ class Logits(Derived):
 GENERATED_TOKENS = 16
 
 
+class ServedTrace(LocalServeBackend):
+    """``trace(..., serve=url, api_key=key)`` on vLLM: nnsight's client of a trace server (``nnterp-vllm serve
+    --traces``, or nnsight-serve), handing back what a local trace hands back. An error the trace raised comes
+    as itself where a local trace's would (`engines.vllm.raise_deferred`), and a list or dict made before the
+    trace and filled in it is filled in place (`saving.fill_originals`)."""
+
+    def _send(self, blob: bytes) -> dict[str, Any]:
+        import httpx
+        from nnsight.modeling.vllm.serve import http
+
+        with httpx.Client(timeout=http.timeout()) as client:
+            response = client.post(self.host + TRACE_PATH, content=blob, headers=http.headers(self.api_key))
+        http.check(response)
+        result = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
+        raise_deferred(result.get("error"))
+        return result.get("saves", {})
+
+    def _push(self, saves: dict[str, Any], tracer: Any) -> None:
+        if tracer.info.frame is not None:
+            saving.fill_originals(tracer.info.frame.f_locals, saves, {})
+        saves.pop(saving.WRITTEN, None)
+        super()._push(saves, tracer)
+
+
 def _as_transformers(kwargs: dict[str, Any], tokens: int) -> dict[str, Any]:
     """Sampling settings with transformers' defaults where the caller named none: greedy, ``tokens`` new tokens."""
     kwargs = dict(kwargs)
@@ -296,6 +322,8 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         """nnsight's trace of ``inputs`` with sampling settings ``kwargs``, on the tracer of this library."""
         refuse_after_shutdown(self, "StandardizedVLLM")
         kwargs.setdefault("tracer_cls", VLLMTracer)
+        if kwargs.get("serve") is not None and kwargs.get("backend") is None:
+            kwargs["backend"] = ServedTrace(self, kwargs.pop("serve"), api_key=kwargs.pop("api_key", None))
         return super().trace(*inputs, **kwargs)
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,8 @@ takes every argument ``vllm serve`` takes (vLLM's own parser) and serves what ``
 with the ``steering`` request field on its generation routes (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/chat/completions/batch``, ``/v1/messages``, ``/v1/responses``, ``/invocations``) and the vector
 registry at ``/v1/steering/vectors`` (`server`). ``--replicas N`` runs N replicas behind one endpoint
-on Ray Serve (`replicas`). Importing this package loads no vLLM; `main` does.
+on Ray Serve (`replicas`). ``--traces`` also runs nnsight traces sent with ``model.trace(..., serve=url,
+api_key=key)`` (`traces`). Importing this package loads no vLLM; `main` does.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers
 "vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
 "positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
-/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. MODEL is a checkpoint directory, a
-hub id, or 'smollm2' (the embedded default)."""
+/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. With --traces, nnsight traces sent
+with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a checkpoint directory, a hub id, or 'smollm2'
+(the embedded default)."""
 
 
 def parser() -> Any:
@@ -31,6 +32,7 @@ def parser() -> Any:
     from ..steering.specs import DIRECTIONS_PER_BLOCK
     from .fields import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
+    from .traces import add_arguments as add_trace_arguments
 
     root = FlexibleArgumentParser(prog="nnterp-vllm serve", description=DESCRIPTION)
     root = make_arg_parser(root)
@@ -105,6 +107,7 @@ def parser() -> Any:
         help="N > 1: N replicas (one engine each) behind one endpoint, on Ray Serve; vectors are shared",
     )
     steering.add_argument("--ray-address", help="with --replicas: an existing Ray cluster (else a local one starts)")
+    add_trace_arguments(root)
     root.set_defaults(shutdown_timeout=DRAIN_SECONDS)
     return root
 
@@ -112,6 +115,9 @@ def parser() -> Any:
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """``argv`` parsed and checked as vLLM's serve checks it; the model named as vLLM's serve names it."""
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    from .guard import api_keys
+    from .traces import check_arguments as check_trace_arguments
 
     args = parser().parse_args(list(argv))
     if args.model_tag is not None:
@@ -138,6 +144,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for flag, value in bounds.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_trace_arguments(args, api_keys(args))
     args.sae = [sae_source(source) for source in args.sae or []]
     validate_parsed_serve_args(args)
     return args

@@ -35,9 +35,15 @@ def error_response(message: str, param: str | None, status: HTTPStatus = HTTPSta
     return ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error", param=param, code=status.value))
 
 
-def error_json(message: str, param: str | None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:
-    """`error_response` as an HTTP response."""
-    return JSONResponse(error_response(message, param, status).model_dump(), status_code=status.value)
+def error_json(
+    message: str, param: str | None, status: HTTPStatus = HTTPStatus.BAD_REQUEST, detail: bool = False
+) -> JSONResponse:
+    """`error_response` as an HTTP response; with ``detail``, the message also as FastAPI's ``detail`` (which
+    nnsight's client shows)."""
+    body = error_response(message, param, status).model_dump()
+    if detail:
+        body["detail"] = message
+    return JSONResponse(body, status_code=status.value)
 
 
 def refusal(error: InvalidField) -> JSONResponse:

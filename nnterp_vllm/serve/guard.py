@@ -1,7 +1,8 @@
 """``--api-key`` on every route: vLLM guards only paths under ``/v1`` (and a few prefixes); this guards all.
 
 Open without a key: ``/health`` and ``/ping`` (a load balancer's liveness probes), and ``/metrics`` with
-``--metrics-without-api-key`` (a Prometheus scraper). Everything else, ``/invocations``, ``/tokenize`` and
+``--metrics-without-api-key`` (a Prometheus scraper). On the traces' route the key may also come as nnsight's
+client sends it (``ndif-api-key: <key>``). Everything else, ``/invocations``, ``/tokenize`` and
 the vector registry included, answers 401 to a request without a valid key before anything reads its
 body or looks anything up, so the answer tells nothing about what exists.
 """
@@ -9,6 +10,8 @@ body or looks anything up, so the answer tells nothing about what exists.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import secrets
 from collections.abc import Awaitable
 from http import HTTPStatus
 
@@ -18,6 +21,7 @@ from vllm import envs
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
 from .errors import error_json
+from .traces import NNSIGHT_KEY_HEADER, TRACE_PATH
 
 OPEN_PATHS = ("/health", "/ping")
 #: vLLM serves Prometheus metrics on every path that starts with this (a mounted app).
@@ -44,12 +48,29 @@ class GuardEveryRoute(AuthenticationMiddleware):
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if self.is_open(path) or self.verify_token(Headers(scope=scope)):
+        headers = Headers(scope=scope)
+        tracing = path == TRACE_PATH
+        if self.is_open(path) or self.verify_token(headers):
             return self.app(scope, receive, send)
+        if tracing and self.verify_nnsight_key(headers):
+            # vLLM's own key check, inside, reads only the Authorization header.
+            bearer = (b"authorization", b"Bearer " + headers[NNSIGHT_KEY_HEADER].encode("utf-8"))
+            kept = [(name, value) for name, value in scope["headers"] if name != b"authorization"]
+            return self.app({**scope, "headers": [*kept, bearer]}, receive, send)
+        sent = f"'{NNSIGHT_KEY_HEADER}: <key>' (nnsight's api_key=) or " if tracing else ""
         response = error_json(
-            "a valid API key is required: send the header 'Authorization: Bearer <key>' with a key the server "
-            "was started with (--api-key)",
+            f"a valid API key is required: send the header {sent}'Authorization: Bearer <key>' with a key the "
+            "server was started with (--api-key)",
             None,
             HTTPStatus.UNAUTHORIZED,
+            detail=tracing,
         )
         return response(scope, receive, send)
+
+    def verify_nnsight_key(self, headers: Headers) -> bool:
+        """Whether the ``ndif-api-key`` header holds a key of the server's (compared as vLLM compares tokens)."""
+        key = headers.get(NNSIGHT_KEY_HEADER)
+        if not key:
+            return False
+        digest = hashlib.sha256(key.encode("utf-8")).digest()
+        return any([secrets.compare_digest(digest, token) for token in self.api_tokens])

@@ -141,17 +141,26 @@ def limit_message(limit: int) -> str:
 
 
 class RequestIntake:
-    """Pure ASGI middleware in front of vLLM's app: bounds request bodies and takes out our `RequestField` s."""
+    """Pure ASGI middleware in front of vLLM's app: bounds request bodies and takes out our `RequestField` s.
 
-    def __init__(self, app: ASGIApp, fields: Sequence[RequestField], max_body_bytes: int) -> None:
+    Bodies sent to ``own_bounds`` pass untouched: their handlers read them under bounds of their own."""
+
+    def __init__(
+        self, app: ASGIApp, fields: Sequence[RequestField], max_body_bytes: int, own_bounds: Sequence[str] = ()
+    ) -> None:
         self.app = app
         self.fields = {field.name: field for field in fields}
         self.max_body_bytes = max_body_bytes
+        self.own_bounds = tuple(own_bounds)
         # A body holding none of these bytes holds none of the fields (JSON may spell a key with \u escapes).
         self.markers = [f'"{name}"'.encode() for name in self.fields] + [b"\\u", RESERVED_PREFIX.encode()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in self.own_bounds:
             await self.app(scope, receive, send)
             return
         too_large = InvalidField(limit_message(self.max_body_bytes), None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
@@ -172,7 +181,6 @@ class RequestIntake:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
         try:
             stripped, fields = (None, {})
             if any(marker in body for marker in self.markers):

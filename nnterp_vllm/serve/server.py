@@ -58,6 +58,7 @@ from .fields import (
 from .guard import GuardEveryRoute, api_keys
 from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, record, taken
 from .registry import Registry
+from .traces import TRACE_PATH, add_route, trace_engine
 
 STEERING = "steering"
 #: The routes that serve ``steering``, each applying it as ``/v1/completions`` does (elsewhere it is refused).
@@ -333,7 +334,8 @@ class SteeringEndpoints:
         ]
         # In front of the app's whole stack (vLLM's SageMaker bootstrap has built it already).
         stack = app.middleware_stack or app.build_middleware_stack()
-        stack = RequestIntake(stack, fields, body_bound(args, max_specs, engine.hidden_size))
+        own_bounds = [TRACE_PATH] if args.traces else []
+        stack = RequestIntake(stack, fields, body_bound(args, max_specs, engine.hidden_size), own_bounds)
         if keys := api_keys(args):
             stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)
         app.middleware_stack = stack
@@ -382,6 +384,11 @@ async def steered_engine(arguments: AsyncEngineArgs, vllm_config: Any) -> AsyncI
         engine.shutdown(timeout=vllm_config.shutdown_timeout)
 
 
+def traced(args: argparse.Namespace) -> contextlib.AbstractAsyncContextManager[Any]:
+    """With ``--traces``, the engine traces run on (`traces.trace_engine`); else nothing."""
+    return trace_engine(args) if args.traces else contextlib.nullcontext()
+
+
 async def build_app(engine: SteeringEngineClient, args: argparse.Namespace, registry: Registry) -> FastAPI:
     """vLLM's app (``build_app``, ``init_app_state``) over ``engine``, with `SteeringEndpoints` added."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -391,6 +398,8 @@ async def build_app(engine: SteeringEngineClient, args: argparse.Namespace, regi
     app = build_vllm_app(args, supported_tasks, engine.model_config)
     endpoints = SteeringEndpoints(registry)
     endpoints.attach_router(app)
+    if args.traces:
+        add_route(app, args)
     endpoints.attach_guards(app, engine, args)
     await init_app_state(engine, app.state, args, supported_tasks)
     await endpoints.init_state(engine, app.state, args)
@@ -414,7 +423,7 @@ async def run_server(
     uvicorn_kwargs: dict[str, Any] = {}
     if (log_config := get_uvicorn_log_config(args)) is not None:
         uvicorn_kwargs["log_config"] = log_config
-    async with steered_engine(arguments, vllm_config) as engine:
+    async with steered_engine(arguments, vllm_config) as engine, traced(args):
         app = await build_app(engine, args, registry)
         shutdown = await serve_http(
             app,
