@@ -109,8 +109,8 @@ class StandardizedTransformer(Standardized, TransformersModel):
 
         Generation arguments (``max_new_tokens``, ``do_sample``, ``temperature``, any of transformers' or vLLM's
         sampling settings) are refused with ``TypeError``: ``generate`` takes them. (``generate`` runs through
-        here too, naming itself as ``fn``.) ``serve=`` is refused: a trace server runs vLLM."""
-        if "serve" in kwargs:
+        here too, naming itself as ``fn``.) ``serve=`` (other than None) is refused: a trace server runs vLLM."""
+        if kwargs.pop("serve", None) is not None:
             raise ValueError(
                 "serve=: a trace server (nnterp-vllm serve --traces) runs its traces on vLLM; send the trace from "
                 "StandardizedVLLM(checkpoint), which loads nothing here, or to NDIF with remote=True"
