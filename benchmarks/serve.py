@@ -89,10 +89,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def serving(name: str) -> list[str]:
+    """The command of server ``name`` (of `SERVERS`) serving the model with the engine arguments of every server."""
+    return [*SERVERS[name], "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
+
+
 def start(name: str, log: Path, command: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = command or [*SERVERS[name], "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
-    command = [*command, "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    command = [*(command or serving(name)), "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -239,9 +243,9 @@ def measure_traces(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as logs:
         script = Path(logs) / "nnsight_serve.py"
         script.write_text(NNSIGHT_SERVE_SCRIPT.replace("**ENGINE", "**" + repr(engine)))
-        ours = [str(BIN / "nnterp-vllm"), "serve", "--model", str(smollm2()), "--served-model-name", MODEL, *ENGINE]
+        ours = serving("nnterp-vllm serve, every request steered") + ["--traces", "--api-key", KEY]
         servers = {
-            TRACES: (ours + ["--traces", "--api-key", KEY], StandardizedVLLM, standardized_trace),
+            TRACES: (ours, StandardizedVLLM, standardized_trace),
             NNSIGHT_SERVE: ([sys.executable, str(script), "--model", str(smollm2())], PlatformVLLM, native_trace),
         }
         for name, (command, client_class, trace) in servers.items():

@@ -95,7 +95,7 @@ def test_readme_example_traces_sent_elsewhere_print_what_they_print_here(index, 
         try:
             server.wait_ready()
             runs.append(run_example(SEEDED + sent_to_server(EXAMPLES[index], server.url), tmp_path / "served.py"))
-            assert "POST /v1/nnsight/generate HTTP/1.1\" 200" in server.log.read_text()
+            assert 'POST /v1/nnsight/generate HTTP/1.1" 200' in server.log.read_text()
             served = runs[-1].stdout + runs[-1].stderr
             assert "init engine" not in served  # no vLLM engine started beside the server: every trace was sent
         finally:

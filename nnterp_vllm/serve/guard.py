@@ -10,8 +10,6 @@ body or looks anything up, so the answer tells nothing about what exists.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import secrets
 from collections.abc import Awaitable
 from http import HTTPStatus
 
@@ -68,9 +66,6 @@ class GuardEveryRoute(AuthenticationMiddleware):
         return response(scope, receive, send)
 
     def verify_nnsight_key(self, headers: Headers) -> bool:
-        """Whether the ``ndif-api-key`` header holds a key of the server's (compared as vLLM compares tokens)."""
+        """Whether the ``ndif-api-key`` header holds a key of the server's (vLLM's check of a bearer token)."""
         key = headers.get(NNSIGHT_KEY_HEADER)
-        if not key:
-            return False
-        digest = hashlib.sha256(key.encode("utf-8")).digest()
-        return any([secrets.compare_digest(digest, token) for token in self.api_tokens])
+        return bool(key) and self.verify_token(Headers({"authorization": f"Bearer {key}"}))

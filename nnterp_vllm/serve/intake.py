@@ -26,14 +26,14 @@ import functools
 import json
 import json.scanner
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import InvalidField, refusal
+from .errors import InvalidField, error_json, refusal
 
 #: Bodies up to this size are parsed by the C JSON parser in one go (about 30 ms per MiB here, the
 #: interpreter held throughout); larger ones by the pure-Python scanner, which yields between values.
@@ -143,15 +143,20 @@ def limit_message(limit: int) -> str:
 class RequestIntake:
     """Pure ASGI middleware in front of vLLM's app: bounds request bodies and takes out our `RequestField` s.
 
-    Bodies sent to ``own_bounds`` pass untouched: their handlers read them under bounds of their own."""
+    A path of ``own_bounds`` (``{path: (bytes, message)}``, routes that are not vLLM's JSON API) has a bound of its
+    own, answered 413 with its message (also as FastAPI's ``detail``); its body is handed on as it came."""
 
     def __init__(
-        self, app: ASGIApp, fields: Sequence[RequestField], max_body_bytes: int, own_bounds: Sequence[str] = ()
+        self,
+        app: ASGIApp,
+        fields: Sequence[RequestField],
+        max_body_bytes: int,
+        own_bounds: Mapping[str, tuple[int, str]] | None = None,
     ) -> None:
         self.app = app
         self.fields = {field.name: field for field in fields}
         self.max_body_bytes = max_body_bytes
-        self.own_bounds = tuple(own_bounds)
+        self.own_bounds = dict(own_bounds or {})
         # A body holding none of these bytes holds none of the fields (JSON may spell a key with \u escapes).
         self.markers = [f'"{name}"'.encode() for name in self.fields] + [b"\\u", RESERVED_PREFIX.encode()]
 
@@ -160,13 +165,12 @@ class RequestIntake:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path in self.own_bounds:
-            await self.app(scope, receive, send)
-            return
-        too_large = InvalidField(limit_message(self.max_body_bytes), None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        own = self.own_bounds.get(path)
+        limit, explained = own or (self.max_body_bytes, limit_message(self.max_body_bytes))
+        too_large = error_json(explained, None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, detail=own is not None)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await refusal(too_large)(scope, receive, send)
+        if declared.isdigit() and int(declared) > limit:
+            await too_large(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -175,12 +179,15 @@ class RequestIntake:
                 return  # the client left before its body arrived: nobody to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await refusal(too_large)(scope, receive, send)
+            if size > limit:
+                await too_large(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if own is not None:
+            await self.app(scope, _replay(body, receive), send)
+            return
         try:
             stripped, fields = (None, {})
             if any(marker in body for marker in self.markers):

@@ -58,7 +58,8 @@ from .fields import (
 from .guard import GuardEveryRoute, api_keys
 from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, record, taken
 from .registry import Registry
-from .traces import TRACE_PATH, add_route, trace_engine
+from .traces import add_route, trace_engine
+from .traces import body_bound as trace_body_bound
 
 STEERING = "steering"
 #: The routes that serve ``steering``, each applying it as ``/v1/completions`` does (elsewhere it is refused).
@@ -334,7 +335,7 @@ class SteeringEndpoints:
         ]
         # In front of the app's whole stack (vLLM's SageMaker bootstrap has built it already).
         stack = app.middleware_stack or app.build_middleware_stack()
-        own_bounds = [TRACE_PATH] if args.traces else []
+        own_bounds = trace_body_bound(args) if args.traces else {}
         stack = RequestIntake(stack, fields, body_bound(args, max_specs, engine.hidden_size), own_bounds)
         if keys := api_keys(args):
             stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)

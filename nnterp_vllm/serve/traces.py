@@ -12,7 +12,8 @@ traces of concurrent clients. In front of it:
 
 - the API key is checked before the body is read (`guard.GuardEveryRoute`; nnsight's client sends it as
   ``ndif-api-key``), so nothing of an unauthenticated body is ever deserialized;
-- the body is read up to ``--max-trace-bytes``, 413 past it, before anything is deserialized;
+- the body is read up to ``--max-trace-bytes``, 413 past it, before anything is deserialized (`body_bound`, which
+  `intake.RequestIntake` applies);
 - a trace runs at most ``--trace-timeout`` seconds: 408 past it, its requests aborted in the engine;
 - what a trace saved is sent back up to ``--max-saved-bytes``: 413 past it.
 
@@ -138,19 +139,24 @@ async def trace_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
         model.shutdown()
 
 
+def body_bound(args: argparse.Namespace) -> dict[str, tuple[int, str]]:
+    """`TRACE_PATH`'s body bound and what a larger body is answered (`intake.RequestIntake` applies it)."""
+    return {
+        TRACE_PATH: (
+            args.max_trace_bytes,
+            f"the trace is larger than this server reads ({args.max_trace_bytes} bytes, --max-trace-bytes): send "
+            "less (save fewer values into the trace), or start the server with a larger bound",
+        )
+    }
+
+
 def add_route(app: FastAPI, args: argparse.Namespace) -> None:
-    """`TRACE_PATH` on ``app``: nnsight-serve's handler behind the body, time and saved-bytes bounds."""
+    """`TRACE_PATH` on ``app``: nnsight-serve's handler behind the time and saved-bytes bounds (the body's is
+    `body_bound`)."""
     from nnsight.modeling.vllm.serve import server as nnsight_serve
 
     async def run_trace(request: Request) -> Response:
-        body = await bounded_body(request, args.max_trace_bytes)
-        if body is None:
-            return refused(
-                f"the trace is larger than this server reads ({args.max_trace_bytes} bytes, --max-trace-bytes): "
-                "send less (save fewer values into the trace), or start the server with a larger bound",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-        running = asyncio.ensure_future(nnsight_serve.generate(replayed(request, body)))
+        running = asyncio.ensure_future(nnsight_serve.generate(request))
         await asyncio.wait({running}, timeout=args.trace_timeout)
         if not running.done():
             # Cancelled, its requests are aborted and collected as soon as the engine answers; the client is
@@ -173,29 +179,6 @@ def add_route(app: FastAPI, args: argparse.Namespace) -> None:
         return answer
 
     app.add_api_route(TRACE_PATH, run_trace, methods=["POST"], include_in_schema=False)
-
-
-async def bounded_body(request: Request, bound: int) -> bytes | None:
-    """The request's body, or ``None`` as soon as it is known to be larger than ``bound`` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > bound:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > bound:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def replayed(request: Request, body: bytes) -> Request:
-    """``request`` with its ``body`` read already, for a handler that reads it again."""
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return Request(request.scope, receive)
 
 
 def refused(message: str, status: HTTPStatus) -> Response:
