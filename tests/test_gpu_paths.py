@@ -7,16 +7,20 @@
 - Under CUDA graphs vLLM's GPU runner wraps the model in its ``CUDAGraphWrapper``: the steered engine with the
   model wrapped as ``GPUModelRunner.load_model`` wraps it steers and captures exactly as the unwrapped one.
 - Kept rows leaving an accelerator (`RowsLeaving`): staged, copied on a stream of their own and handed on only
-  once the copy's event has completed, in step order, with a stand-in for the device's streams and events.
+  once the copy's event has completed, in step order, by a writer thread (into a harvest's file region too, its
+  failures raised on the engine's thread), with a stand-in for the device's streams and events.
 - The device-memory check of the steered engine's buffers, and the share of a device the notebook engine takes.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import tiny
@@ -24,8 +28,9 @@ import torch
 from vllm import SamplingParams
 
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
-from nnterp_vllm.engines.capture import KeptRows, RowsLeaving
+from nnterp_vllm.engines.capture import HOST_BUFFERS, KeptRows, RowsLeaving
 from nnterp_vllm.engines.runners import buffer_sizes, check_room
+from nnterp_vllm.engines.shared_rows import Region, SharedRows, open_region
 from nnterp_vllm.engines.steering_table import PARAMS, SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
 
@@ -278,28 +283,101 @@ class StandInDevice:
         return contextlib.nullcontext()
 
 
-def test_kept_rows_are_handed_on_in_step_order_only_once_their_copy_has_arrived():
-    values, tokens, hidden = 2, 6, 3
-    rows = torch.zeros(values, tokens, hidden)
-    leaving = RowsLeaving(rows, StandInDevice)
-    request = KeptRows({"values": ["a", "b"]}, [0, 1], [torch.zeros(1, hidden), torch.zeros(1, hidden)])
+def stand_in_device() -> type[StandInDevice]:
+    """A `StandInDevice` whose compute stream is its own (its waits counted from none)."""
+    return type("Device", (StandInDevice,), {"compute": StandInDevice.Stream()})
+
+
+def sent_steps(leaving: RowsLeaving, rows: torch.Tensor, request: KeptRows, steps: int) -> list[torch.Tensor]:
+    """Run ``steps`` steps of two tokens through ``leaving`` as the engine does, each keeping ``request``'s next two
+    rows; each step's rows as its forward wrote them. At most `HOST_BUFFERS` steps are held at once."""
     written = []
-    for step in range(4):
+    for step in range(steps):
         rows.fill_(float(step + 1))  # the step's forward writes the buffer
         written.append(rows[:, :2].clone())
         leaving.deliver(wait=False)
         leaving.send([(request, 0, 2 * step, 2)], 2)
+        assert len(leaving.held) <= HOST_BUFFERS
         rows.fill_(-1.0)  # the next forward overwrites it before the copy is handed on
-    # At most two steps on their way (two host buffers); the older ones were handed on, in order.
+    return written
+
+
+def test_kept_rows_are_handed_on_in_step_order_only_once_their_copy_has_arrived():
+    values, tokens, hidden = 2, 6, 3
+    rows = torch.zeros(values, tokens, hidden)
+    device = stand_in_device()
+    leaving = RowsLeaving(rows, device)
+    with torch.inference_mode():  # as vLLM's runner makes the requests' tensors, with room for the first step
+        request = KeptRows({"values": ["a", "b"]}, [0, 1], [torch.zeros(2, hidden), torch.zeros(2, hidden)])
+    written = sent_steps(leaving, rows, request, 4)
+    # At most two steps on their way (two host buffers); the older ones were written, in order.
     assert len(leaving.on_the_way) <= 2
     assert request.filled == 2 * (4 - len(leaving.on_the_way))
     leaving.deliver(wait=True)
-    assert not leaving.on_the_way and request.filled == 8
+    assert not leaving.on_the_way and not leaving.held and request.filled == 8
     for step, expected in enumerate(written):
         for slot in range(values):
             torch.testing.assert_close(request.tensors[slot][2 * step : 2 * step + 2], expected[slot])
     # Each staging copy waited (on the device) for the previous copy out of the staging buffer.
-    assert len(StandInDevice.compute.waits) == 3
+    assert len(device.compute.waits) == 3
+    leaving.close()
+    assert not leaving.writer.is_alive()
+
+
+def region_request(values: int, rows: int, hidden: int) -> tuple[SharedRows, KeptRows]:
+    """A region of a harvest's kind and a request keeping all its rows there, as `Capturer.request` opens it."""
+    shared = SharedRows(values, rows, hidden, torch.float32)
+    region = open_region(shared.destination(0), torch.float32)
+    assert region is not None
+    return shared, KeptRows({"values": ["a", "b"]}, [0, 1], [], region=region, first=0, capacity=rows)
+
+
+def test_kept_rows_are_written_into_a_region_by_the_writer_thread_not_the_engines(monkeypatch):
+    values, tokens, hidden, steps = 2, 6, 3, 5
+    rows = torch.zeros(values, tokens, hidden)
+    leaving = RowsLeaving(rows, stand_in_device())
+    shared, request = region_request(values, 2 * steps, hidden)
+    put, writers = Region.put, []
+
+    def slow_put(self: Region, row: int, rows: torch.Tensor) -> None:
+        writers.append(threading.get_ident())
+        time.sleep(0.05)  # a slow disk
+        put(self, row, rows)
+
+    monkeypatch.setattr(Region, "put", slow_put)
+    written = sent_steps(leaving, rows, request, steps)
+    leaving.deliver(wait=True)
+    assert not leaving.held and request.filled == 2 * steps
+    assert len(writers) == steps and threading.get_ident() not in writers
+    torch.testing.assert_close(shared.tensor, torch.cat(written, dim=1))
+    leaving.close()
+    request.region.close()
+    shared.close()
+
+
+def test_a_write_failing_on_the_writer_thread_is_raised_on_the_engines(monkeypatch):
+    values, tokens, hidden = 2, 6, 3
+    rows = torch.zeros(values, tokens, hidden)
+    leaving = RowsLeaving(rows, stand_in_device())
+    shared, request = region_request(values, 8, hidden)
+    puts = []
+
+    def full_disk(self: Region, row: int, rows: torch.Tensor) -> None:
+        puts.append(row)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Region, "put", full_disk)
+    leaving.send([(request, 0, 0, 2)], 2)
+    with pytest.raises(OSError, match="No space left"):
+        leaving.deliver(wait=True)
+    with pytest.raises(OSError, match="No space left"):  # and at every later step: nothing more is written
+        leaving.send([(request, 0, 2, 2)], 2)
+    assert puts == [0]
+    with pytest.raises(OSError, match="No space left"):
+        leaving.close()
+    assert not leaving.writer.is_alive()
+    request.region.close()
+    shared.close()
 
 
 def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path):

@@ -13,9 +13,11 @@ request's own tensors (`Capturer.gather`), one slice per value per request, by p
 requests joining and leaving, and a preempted request computed again keep each row once, in position order. On
 the CPU the rows are handed on at once; from an accelerator they leave without a host sync (`RowsLeaving`):
 copied into a staging buffer on the compute stream, then to pinned host memory on a copy stream of their own,
-overlapped with the next step, and handed on once that copy has completed. The client takes a finished
-request's tensors in one call (`Capturer.take`); they never travel through the engine's output queue. Under
-tensor parallelism the stream is whole on every rank, so only the first rank keeps rows.
+overlapped with the next step, and once that copy has completed handed on by a writer thread, so the engine's
+next steps overlap the writing too, within the few host buffers the rows arrive in. The client takes a finished
+request's tensors in one call (`Capturer.take`, once every row sent is written); they never travel through the
+engine's output queue. Under tensor parallelism the stream is whole on every rank, so only the first rank keeps
+rows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -261,20 +265,25 @@ def _slots_index(slots: list[int]) -> slice | list[int]:
     return slots
 
 
-#: Pinned host buffers the kept rows of consecutive steps arrive in, in turn.
+#: Pinned host buffers the kept rows of consecutive steps arrive in, in turn: the steps sent and not yet written.
 HOST_BUFFERS = 2
 
 
 class RowsLeaving:
-    """Kept rows leaving an accelerator without a host sync in the step.
+    """Kept rows leaving an accelerator without a host sync in the step, written by a thread of their own.
 
     After a step's forward, its rows are copied on the compute stream into a staging buffer (device to device,
     fast), so the next step's forward may write the capture buffer again; a copy stream of its own waits for that
     copy (an event) and moves the staged rows to one of `HOST_BUFFERS` pinned host buffers, overlapped with the
-    next step's forward; the next staging copy waits (on the device) for that one to finish. The rows are handed on
-    once their copy's event has completed: polled after each step, waited for only when a host buffer is needed
-    again while its rows are still on their way (the host ahead of the device by two steps) or when the client
-    takes rows. The staging buffer is allocated with the capture buffer, before vLLM profiles memory, and counted.
+    next step's forward; the next staging copy waits (on the device) for that one to finish. Once a copy's event has
+    completed (polled after each step), its step goes to the writer thread, which hands the rows on (`hand_on`: into
+    the requests' tensors or their regions, whose writes release the GIL) in step order, overlapped with the engine's
+    next steps, and then frees the host buffer. A host buffer is reused only once its rows are written, so the host
+    buffers bound the memory held: the engine waits only when the one it needs is still on its way from the device
+    or waiting for the writer (a slow disk slows the engine only then), or when rows are read or let go of
+    (`deliver` waiting). What the writer fails with is raised on the engine's thread at the next `send` or
+    `deliver`, and nothing more is written. The staging buffer is allocated with the capture buffer, before vLLM
+    profiles memory, and counted.
 
     ``device`` is the accelerator's torch module (``torch.cuda``: its ``Stream``, ``Event``, ``current_stream``,
     ``stream``).
@@ -289,15 +298,25 @@ class RowsLeaving:
         self.stream = device.Stream(rows.device)
         self.staging_free: Any = None
         self.next_host = 0
+        #: Steps whose copy to the host may not have completed: ``(host buffer, event, step, tokens)``, in order.
         self.on_the_way: collections.deque[tuple[int, Any, list, int]] = collections.deque()
+        #: Host buffers whose rows are not yet written (on their way, or waiting for or being written by the writer).
+        self.held: set[int] = set()
+        self.failure: Exception | None = None
+        self.written = threading.Condition()
+        # Never more steps than host buffers: each holds its buffer until written.
+        self.handed: queue.Queue[tuple[int, list, int] | None] = queue.Queue()
+        self.writer = threading.Thread(target=self._write, name="nnterp-vllm-kept-rows", daemon=True)
+        self.writer.start()
 
     def send(self, step: list[tuple[KeptRows, int, int, int]], tokens: int) -> None:
         """Start moving the first ``tokens`` tokens' rows of every value to the host (all copies enqueued, none
-        waited for by the host unless a host buffer is still in use)."""
+        waited for by the host unless the host buffer they go to is not yet written)."""
         host = self.next_host
         self.next_host = (host + 1) % len(self.hosts)
         while any(slot == host for slot, *_ in self.on_the_way):
             self.deliver_one(wait=True)
+        self._wait(lambda: host not in self.held)
         values, _, hidden = self.rows.shape
         size = values * tokens * hidden
         compute = self.device.current_stream(self.rows.device)
@@ -313,24 +332,63 @@ class RowsLeaving:
             arrived = self.device.Event()
             arrived.record(self.stream)
         self.staging_free = arrived
+        with self.written:
+            self.held.add(host)
         self.on_the_way.append((host, arrived, step, tokens))
 
     def deliver(self, wait: bool) -> None:
-        """Hand on, in step order, the rows whose copy has completed (all of them, waiting, where ``wait``)."""
+        """Hand the steps whose copy has completed to the writer, in step order; where ``wait``, all of them, and
+        return once the writer has written them all."""
+        if self.failure is not None:
+            raise self.failure
         while self.on_the_way and self.deliver_one(wait):
             pass
+        if wait:
+            self._wait(lambda: not self.held)
 
     def deliver_one(self, wait: bool) -> bool:
-        """Hand on the oldest step's rows to their requests (`hand_on`) if they have arrived (after waiting for them,
-        where ``wait``); whether they were handed on."""
+        """Hand the oldest step to the writer if its rows have arrived (after waiting for them, where ``wait``);
+        whether it was handed."""
         host, arrived, step, tokens = self.on_the_way[0]
         if not wait and not arrived.query():
             return False
         arrived.synchronize()
         self.on_the_way.popleft()
-        values, _, hidden = self.rows.shape
-        hand_on(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
+        self.handed.put((host, step, tokens))
         return True
+
+    def close(self) -> None:
+        """Write every step sent, then stop the writer thread (raising what it failed with, if anything)."""
+        try:
+            self.deliver(wait=True)
+        finally:
+            self.handed.put(None)
+            self.writer.join()
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` holds as the writer goes on; raise what the writer failed with, if anything."""
+        with self.written:
+            self.written.wait_for(lambda: done() or self.failure is not None)
+        if self.failure is not None:
+            raise self.failure
+
+    def _write(self) -> None:
+        """The writer thread: hand on each step handed to it, in order, and free its host buffer; stop at `close`
+        or at the first failure, kept for the engine's thread."""
+        values, _, hidden = self.rows.shape
+        with torch.inference_mode():  # the requests' tensors were made in vLLM's inference mode
+            while (handed := self.handed.get()) is not None:
+                host, step, tokens = handed
+                try:
+                    hand_on(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
+                except Exception as failure:
+                    with self.written:
+                        self.failure = failure
+                        self.written.notify_all()
+                    return
+                with self.written:
+                    self.held.discard(host)
+                    self.written.notify_all()
 
 
 class Capturer:
@@ -425,7 +483,8 @@ class Capturer:
         return held[0]
 
     def release(self, kept: KeptRows) -> None:
-        """A request writing into a region is done with it: the last one lets go of it."""
+        """A request writing into a region is done with it: the last one lets go of it (call once every row sent
+        is written: `settle`)."""
         if kept.region is None:
             return
         key = kept.wire[INTO]["id"]
@@ -442,6 +501,7 @@ class Capturer:
             return
         self.finished[f"{kept.wire['key']}/{request_id}"] = kept
         while len(self.finished) > FINISHED_KEPT:
+            self.settle()
             dropped, kept = self.finished.popitem(last=False)
             self.release(kept)
             logger.warning("captured rows of request %s were never taken; dropped", dropped)
@@ -481,8 +541,7 @@ class Capturer:
         (one request id per completion; ``None`` for one whose rows lie in its destination, `shared_rows`), handed
         over and forgotten here; each tensor `packed` where the rows leave this process (an RPC result crosses
         processes as plain data)."""
-        if self.leaving is not None:  # the rows still on their way from the accelerator arrive first
-            self.leaving.deliver(wait=True)
+        self.settle()
         wanted = set(keys)
         found: dict[str, dict[str, Any]] = {}
         for entry, kept in list(self.finished.items()):
@@ -503,6 +562,17 @@ class Capturer:
                         named.update({name: pack(rows) for name, rows in named.items()})
         return found
 
+    def settle(self) -> None:
+        """Wait until every row sent from the accelerator is written (`RowsLeaving`), before rows are read or let
+        go of."""
+        if self.leaving is not None:
+            self.leaving.deliver(wait=True)
+
+    def close(self) -> None:
+        """Write every row sent and stop the writer thread, as the engine shuts down."""
+        if self.leaving is not None:
+            self.leaving.close()
+
     def stats(self) -> dict[str, Any]:
         """What a test or benchmark reads: eager runs of the capture hooks, rows kept, requests held."""
         return {
@@ -510,7 +580,7 @@ class Capturer:
             "rows_kept": self.rows_kept,
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),
-            "steps_on_the_way": len(self.leaving.on_the_way) if self.leaving is not None else 0,
+            "steps_on_the_way": len(self.leaving.held) if self.leaving is not None else 0,
             "regions_mapped": len(self.regions),
         }
 

@@ -67,6 +67,15 @@ class SteeringModelRunner:
         self._steerer.forget(req_id)
         self._capturer.forget(req_id)
 
+    def shutdown(self) -> None:
+        """Finish writing the kept rows sent (`Capturer.close`), then shut down as vLLM does."""
+        try:
+            capturer = getattr(self, "_capturer", None)  # none where loading failed
+            if capturer is not None:
+                capturer.close()
+        finally:
+            super().shutdown()
+
 
 @dataclasses.dataclass
 class MemoryBudget:
