@@ -60,6 +60,8 @@ CONCURRENT = 64
 STARTUP_SECONDS = 300
 #: The server runs with --api-key: every route but /health and /ping needs it.
 KEY = "test-key"
+#: A second client's key: its edits and traces are its own.
+OTHER_KEY = "other-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Vectors the served registry holds at most (--max-steering-vectors), small enough to fill.
 CAPACITY = 5
@@ -340,7 +342,7 @@ def served(tmp_path_factory):
     arguments += ["--capture-values", *KEPT, "--max-capture-bytes", str(MAX_CAPTURE_BYTES)]
     arguments += ["--chat-template", str(directory / "chat.jinja")]
     arguments += ["--sae", *(f"{name}={directory / name}" for name in saes)]
-    arguments += ["--api-key", KEY, "--max-steering-vectors", str(CAPACITY)]
+    arguments += ["--api-key", KEY, OTHER_KEY, "--max-steering-vectors", str(CAPACITY)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     traces = ["--traces", *(str(part) for bound in TRACE_BOUNDS.items() for part in bound)]
     server = Server(arguments + traces, directory / "server.log")
@@ -995,11 +997,14 @@ def test_a_trace_without_the_key_is_answered_401_and_never_deserialized(
 ):
     marker = tmp_path / "written-by-the-server"
     body = pickle.dumps(WritesAFile(marker))
-    url = served.url + "/v1/nnsight/generate"
-    for headers in ({}, {"ndif-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        response = httpx.post(url, content=body, headers={"Content-Type": "application/octet-stream", **headers})
-        assert response.status_code == 401, response.text
-        assert "ndif-api-key: <key>" in response.json()["detail"]
+    keys = ({}, {"ndif-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY})
+    for path in ("/v1/nnsight/generate", "/v1/nnsight/register/an-edit"):
+        for headers in keys:
+            response = httpx.post(
+                served.url + path, content=body, headers={"Content-Type": "application/octet-stream", **headers}
+            )
+            assert response.status_code == 401, response.text
+            assert "ndif-api-key: <key>" in response.json()["detail"]
     assert not marker.exists()
     with pytest.raises(ConnectionError, match="401.*ndif-api-key"):
         with trace_client.trace(PROMPT, serve=served.url):
@@ -1011,10 +1016,73 @@ def test_a_trace_without_the_key_is_answered_401_and_never_deserialized(
     torch.testing.assert_close(probs, truth, atol=1e-4, rtol=1e-4)
 
 
+def filled_by_invokes(model, **send) -> tuple[list, dict]:
+    """A list and a dict made before a trace, each filled by both of its invokes."""
+    rows, by_prompt = [torch.zeros(1)], {}
+    with model.trace(**send) as tracer:
+        with tracer.invoke(PROMPT):
+            rows.append(model.layers[1].layer_output[0, -1].save())
+            by_prompt["first"] = model.layers[2].layer_output[0, -1].save()
+        with tracer.invoke(SAME_LENGTH):
+            rows.append(model.layers[1].layer_output[0, -1].save())
+            by_prompt["second"] = model.layers[2].layer_output[0, -1].save()
+    return rows, by_prompt
+
+
+def test_a_list_and_a_dict_several_invokes_fill_come_back_with_every_invokes_items(
+    served, trace_client, transformers_model
+):
+    # Another trace with invokes, from this same file, runs first: each trace is read from its own source.
+    close_all(trace_experiment(trace_client, serve=served.url, api_key=KEY), served.traced, 1e-6)
+    rows, by_prompt = filled_by_invokes(trace_client, serve=served.url, api_key=KEY)
+    truth_rows, truth_by_prompt = filled_by_invokes(transformers_model)
+    assert len(rows) == 3 and sorted(by_prompt) == ["first", "second"]
+    close_all(rows, truth_rows, 1e-4)
+    close_all([by_prompt["first"], by_prompt["second"]], [truth_by_prompt["first"], truth_by_prompt["second"]], 1e-4)
+
+
+def last_token_output(model, **send) -> torch.Tensor:
+    with model.trace(PROMPT, **send):
+        output = model.layers[2].layer_output[:, -1].save()
+    return output
+
+
+def test_an_edit_left_on_the_server_runs_for_its_own_key_only_and_only_that_key_clears_it(
+    served, trace_client, transformers_model
+):
+    plain = last_token_output(trace_client, serve=served.url, api_key=KEY)
+    with transformers_model.trace(PROMPT):
+        transformers_model.layers[1].layer_output[:, -1] *= 0.5
+        halved = transformers_model.layers[2].layer_output[:, -1].save()
+    with trace_client.edit(serve=served.url, api_key=KEY, name="halve") as (_, edit):
+        trace_client.layers[1].layer_output[:, -1] *= 0.5
+    try:
+        close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [halved], 1e-4)
+        close_all([last_token_output(trace_client, serve=served.url, api_key=KEY, edits=["halve"])], [halved], 1e-4)
+        # Another key's traces never run it, and that key cannot clear it.
+        close_all([last_token_output(trace_client, serve=served.url, api_key=OTHER_KEY)], [plain], 1e-6)
+        cleared = httpx.post(f"{served.url}/v1/nnsight/register/{edit.id}/clear", headers={"ndif-api-key": OTHER_KEY})
+        assert cleared.status_code == 200, cleared.text
+        close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [halved], 1e-4)
+        with pytest.raises(ValueError, match=r"names \['double'\].*installed: \['halve'\]"):
+            last_token_output(trace_client, serve=served.url, api_key=KEY, edits=["double"])
+        with pytest.raises(ValueError, match=r"names \['halve'\].*with this API key \(installed: \[\]\)"):
+            last_token_output(trace_client, serve=served.url, api_key=OTHER_KEY, edits=["halve"])
+    finally:
+        edit.clear()
+    close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [plain], 1e-6)
+    broken = httpx.post(f"{served.url}/v1/nnsight/register/broken", content=b"no block", headers={"ndif-api-key": KEY})
+    assert broken.status_code == 400 and "the edit could not be installed" in broken.json()["detail"]
+    close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [plain], 1e-6)
+
+
 def test_a_trace_past_a_bound_is_answered_with_the_bound_and_the_server_goes_on(served, trace_client):
     large = torch.randn(TRACE_BOUNDS["--max-trace-bytes"] // 4 + 1000)
     with pytest.raises(ConnectionError, match=r"413.*2000000 bytes, --max-trace-bytes"):
         with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            trace_client.layers[0].layer_output[:, -1] += large[:128]
+    with pytest.raises(ConnectionError, match=r"413.*2000000 bytes, --max-trace-bytes"):
+        with trace_client.edit(serve=served.url, api_key=KEY):
             trace_client.layers[0].layer_output[:, -1] += large[:128]
     with pytest.raises(ConnectionError, match=r"413.*--max-saved-bytes"):
         with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):

@@ -184,9 +184,10 @@ class ServedTrace(LocalServeBackend):
     """``trace(..., serve=url, api_key=key)`` on vLLM: nnsight's client of a trace server (``nnterp-vllm serve
     --traces``, or nnsight-serve), handing back what a local trace hands back. An error the trace raised comes
     as itself where a local trace's would (`engines.vllm.raise_deferred`), and a list or dict made before the
-    trace and filled in it is filled in place (`saving.fill_originals`)."""
+    trace and filled in it is filled in place (`saving.fill_originals`), by every invoke in invoke order where the
+    server sends each invoke's saves (``"invokes"``: ``nnterp-vllm serve``; nnsight-serve sends them merged)."""
 
-    def _send(self, blob: bytes) -> dict[str, Any]:
+    def _send(self, blob: bytes) -> list[dict[str, Any]]:
         import httpx
         from nnsight.modeling.vllm.serve import http
 
@@ -195,13 +196,17 @@ class ServedTrace(LocalServeBackend):
         http.check(response)
         result = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
         raise_deferred(result.get("error"))
-        return result.get("saves", {})
+        return result.get("invokes") or [result.get("saves", {})]
 
-    def _push(self, saves: dict[str, Any], tracer: Any) -> None:
-        if tracer.info.frame is not None:
-            saving.fill_originals(tracer.info.frame.f_locals, saves, {})
-        saves.pop(saving.WRITTEN, None)
-        super()._push(saves, tracer)
+    def _push(self, invokes: list[dict[str, Any]], tracer: Any) -> None:
+        merged: dict[str, Any] = {}
+        lengths: dict[int, int] = {}
+        for saves in invokes:
+            if tracer.info.frame is not None:
+                saving.fill_originals(tracer.info.frame.f_locals, saves, lengths)
+            saves.pop(saving.WRITTEN, None)
+            merged.update(saves)
+        super()._push(merged, tracer)
 
 
 def _as_transformers(kwargs: dict[str, Any], tokens: int) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """``--api-key`` on every route: vLLM guards only paths under ``/v1`` (and a few prefixes); this guards all.
 
 Open without a key: ``/health`` and ``/ping`` (a load balancer's liveness probes), and ``/metrics`` with
-``--metrics-without-api-key`` (a Prometheus scraper). On the traces' route the key may also come as nnsight's
-client sends it (``ndif-api-key: <key>``). Everything else, ``/invocations``, ``/tokenize`` and
+``--metrics-without-api-key`` (a Prometheus scraper). On the routes of traces and edits the key may also come as
+nnsight's client sends it (``ndif-api-key: <key>``). Everything else, ``/invocations``, ``/tokenize`` and
 the vector registry included, answers 401 to a request without a valid key before anything reads its
 body or looks anything up, so the answer tells nothing about what exists.
 """
@@ -19,7 +19,7 @@ from vllm import envs
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
 from .errors import error_json
-from .traces import NNSIGHT_KEY_HEADER, TRACE_PATH
+from .traces import NNSIGHT_KEY_HEADER, sent_code
 
 OPEN_PATHS = ("/health", "/ping")
 #: vLLM serves Prometheus metrics on every path that starts with this (a mounted app).
@@ -47,7 +47,7 @@ class GuardEveryRoute(AuthenticationMiddleware):
             return self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         headers = Headers(scope=scope)
-        tracing = path == TRACE_PATH
+        tracing = sent_code(path)
         if self.is_open(path) or self.verify_token(headers):
             return self.app(scope, receive, send)
         if tracing and self.verify_nnsight_key(headers):

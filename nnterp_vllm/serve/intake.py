@@ -143,8 +143,9 @@ def limit_message(limit: int) -> str:
 class RequestIntake:
     """Pure ASGI middleware in front of vLLM's app: bounds request bodies and takes out our `RequestField` s.
 
-    A path of ``own_bounds`` (``{path: (bytes, message)}``, routes that are not vLLM's JSON API) has a bound of its
-    own, answered 413 with its message (also as FastAPI's ``detail``); its body is handed on as it came."""
+    A path of ``own_bounds`` (``{path: (bytes, message)}``, routes that are not vLLM's JSON API; a path ending in
+    ``/`` stands for every path under it) has a bound of its own, answered 413 with its message (also as FastAPI's
+    ``detail``); its body is handed on as it came."""
 
     def __init__(
         self,
@@ -160,12 +161,19 @@ class RequestIntake:
         # A body holding none of these bytes holds none of the fields (JSON may spell a key with \u escapes).
         self.markers = [f'"{name}"'.encode() for name in self.fields] + [b"\\u", RESERVED_PREFIX.encode()]
 
+    def own_bound(self, path: str) -> tuple[int, str] | None:
+        """The bound of ``path`` where it has one of its own (`own_bounds`)."""
+        for bounded, bound in self.own_bounds.items():
+            if path == bounded or (bounded.endswith("/") and path.startswith(bounded)):
+                return bound
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        own = self.own_bounds.get(path)
+        own = self.own_bound(path)
         limit, explained = own or (self.max_body_bytes, limit_message(self.max_body_bytes))
         too_large = error_json(explained, None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, detail=own is not None)
         declared = Headers(scope=scope).get("content-length", "")
