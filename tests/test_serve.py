@@ -1059,9 +1059,13 @@ def test_an_edit_left_on_the_server_runs_for_its_own_key_only_and_only_that_key_
     try:
         close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [halved], 1e-4)
         close_all([last_token_output(trace_client, serve=served.url, api_key=KEY, edits=["halve"])], [halved], 1e-4)
-        # Another key's traces never run it, and that key cannot clear it.
+        # Another key's traces never run it, and that key cannot clear it (not even naming the first key in the
+        # header it does not authenticate with).
         close_all([last_token_output(trace_client, serve=served.url, api_key=OTHER_KEY)], [plain], 1e-6)
-        cleared = httpx.post(f"{served.url}/v1/nnsight/register/{edit.id}/clear", headers={"ndif-api-key": OTHER_KEY})
+        cleared = httpx.post(
+            f"{served.url}/v1/nnsight/register/{edit.id}/clear",
+            headers={"Authorization": f"Bearer {OTHER_KEY}", "ndif-api-key": KEY},
+        )
         assert cleared.status_code == 200, cleared.text
         close_all([last_token_output(trace_client, serve=served.url, api_key=KEY)], [halved], 1e-4)
         with pytest.raises(ValueError, match=r"names \['double'\].*installed: \['halve'\]"):

@@ -285,10 +285,12 @@ def saved_answer(invokes: list[dict[str, Any]], error: Any) -> Response:
 
 
 def caller(request: Request) -> str:
-    """Whose edits a request installs, clears and runs: a digest of the key it came with (the guard has checked it
-    where the server has keys), ``""`` without one."""
-    key = request.headers.get(NNSIGHT_KEY_HEADER) or request.headers.get("authorization", "").removeprefix("Bearer ")
-    return hashlib.sha256(key.strip().encode()).hexdigest()[:16] if key.strip() else ""
+    """Whose edits a request installs, clears and runs: a digest of the key it came with, ``""`` without one. The
+    key is the bearer token, which the guard checked (having put a checked ``ndif-api-key`` there), where the
+    server has keys; on a server without keys, either header."""
+    bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    key = bearer or request.headers.get(NNSIGHT_KEY_HEADER, "").strip()
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 class Edits:
