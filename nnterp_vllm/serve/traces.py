@@ -54,7 +54,7 @@ TRACE_TIMEOUT_SECONDS = 600.0
 MAX_SAVED_BYTES = 1 << 30
 #: Traces cancelled past their time, and collects of requests cancelled before theirs, held until they have wound
 #: up (`keep_until_done`).
-_cancelled: set[asyncio.Future] = set()
+_winding_up: set[asyncio.Future] = set()
 #: Engine arguments of ``vllm serve`` that the trace engine is built with too, where given.
 SHARED_ENGINE_ARGUMENTS = (
     "dtype",
@@ -206,8 +206,8 @@ def add_route(app: FastAPI, args: argparse.Namespace) -> None:
 
 def keep_until_done(task: asyncio.Future) -> None:
     """Hold ``task`` until it has wound up (the event loop holds tasks weakly)."""
-    _cancelled.add(task)
-    task.add_done_callback(_cancelled.discard)
+    _winding_up.add(task)
+    task.add_done_callback(_winding_up.discard)
 
 
 async def run_trace(request: Request, edits: Edits) -> Response:
