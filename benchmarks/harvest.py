@@ -134,13 +134,14 @@ def disk_write(directory: Path, size: int) -> dict:
 def harvest_writing(directory: Path, size: int) -> dict:
     """The in-engine harvest's writing alone, of a shard of ``size`` bytes of values (576-wide float32 rows; one
     region, as the engine's worker opens it): the shard file begun (`store.place_shard`), the region filled from
-    memory, the shard checksummed and renamed (`store.write_shard`), then fsync; bytes, seconds."""
+    memory (its whole chunks straight to the disk where the file system allows), the shard checksummed over the
+    chunks' digests and renamed (`store.write_shard`), then fsync; bytes, seconds."""
     import torch
 
     from nnterp_vllm.engines.shared_rows import SharedRows, open_region
     from nnterp_vllm.harvest.compute import metadata
     from nnterp_vllm.harvest.corpus import Row
-    from nnterp_vllm.harvest.store import place_shard, write_shard
+    from nnterp_vllm.harvest.store import Placed, place_shard, write_shard
 
     tokens = max(1, size // (576 * 4))
     rows = [Row(list(range(tokens)), [0] * tokens, list(range(tokens)))]
@@ -153,7 +154,9 @@ def harvest_writing(directory: Path, size: int) -> dict:
     opened = open_region(region.destination(0), torch.float32)  # as the engine's worker opens it
     opened.put(0, filled)
     opened.close()
-    record = write_shard(directory, 0, {**columns, "values": [region.tensor[0]]}, {}, settings, placed)
+    done = Placed(placed, region.chunk_digests())
+    region.close()
+    record = write_shard(directory, 0, {**columns, "values": [region.tensor[0]]}, {}, settings, done)
     descriptor = os.open(directory / record["file"], os.O_RDONLY)
     try:
         os.fsync(descriptor)

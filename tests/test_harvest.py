@@ -22,6 +22,7 @@ from nnterp_vllm import StandardizedTransformer, load_harvest
 from nnterp_vllm.harvest import HarvestError, harvest
 from nnterp_vllm.harvest import layouts as layouts_module
 from nnterp_vllm.harvest import reader as reader_module
+from nnterp_vllm.harvest.checksums import recorded_checksum
 from nnterp_vllm.harvest.corpus import CorpusError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def llama(llama_path):
 
 def shard_digests(out: Path) -> dict[str, str]:
     manifest = json.loads((out / "manifest.json").read_text())
-    return {record["file"]: record["xxh3_128"] for record in manifest["shards"].values()}
+    return {record["file"]: record[recorded_checksum(record)] for record in manifest["shards"].values()}
 
 
 def test_values_equal_a_direct_trace(llama, tmp_path):

@@ -181,6 +181,38 @@ class TestOnASteeredVLLM:
         assert_same_harvest(resumed, on_transformers)
         assert_safetensors_files(resumed)
 
+    def test_shards_of_many_chunks_go_straight_to_disk_checksummed_as_written(
+        self, engine, llama_path, tmp_path, monkeypatch
+    ):
+        """Shards spanning several chunks have their whole chunks written from memory, each hashed as it is written
+        (nothing is read back to checksum a shard): the files hold the transformers harvest's values, their
+        checksums are the ones a fresh check computes from the files, and a byte changed on disk is caught."""
+        from nnterp_vllm import load_harvest
+        from nnterp_vllm.engines import shared_rows
+        from nnterp_vllm.harvest.checksums import CHUNK, CHUNKED
+
+        hashed, digest = [], shared_rows.chunk_digest
+        monkeypatch.setattr(shared_rows, "chunk_digest", lambda data: hashed.append(len(data)) or digest(data))
+        docs = documents(400, seed=5)
+        options = {**OPTIONS, "shard_bytes": 4 * CHUNK}
+        harvested = harvest(engine, docs, VALUES, tmp_path / "vllm", **options)
+        reference = harvest(llama_path, docs, VALUES, tmp_path / "hf", **options)
+        assert_same_harvest(harvested, reference)
+        assert_safetensors_files(harvested)
+        sizes = [shard.stat().st_size for shard in harvested.shards]
+        assert len(sizes) >= 3 and all(size > 3 * CHUNK for size in sizes[:-1])
+        assert len(hashed) >= sum(size // CHUNK - 1 for size in sizes)  # each shard's whole chunks past its first
+        assert all(CHUNKED in record for record in harvested.records)
+        load_harvest(tmp_path / "vllm").verify()
+        damaged = harvested.shards[1]
+        with open(damaged, "r+b") as handle:
+            handle.seek(2 * CHUNK + 7)
+            byte = handle.read(1)
+            handle.seek(2 * CHUNK + 7)
+            handle.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(HarvestError, match=rf"{damaged.name} .* is damaged: its checksum differs"):
+            load_harvest(tmp_path / "vllm").verify()
+
 
 def test_a_slow_writer_holds_the_computation_back_only_once_its_queue_is_full(tmp_path, monkeypatch):
     """The writer takes `WRITES_QUEUED` shards before `put` waits; records come in order."""
@@ -250,3 +282,126 @@ def test_a_vllm_harvest_of_the_pattern_and_the_experts_choice_reads_them_through
         choices.append((indices.gather(-1, order), weights.gather(-1, order)))
     assert torch.equal(choices[0][0], choices[1][0])
     torch.testing.assert_close(choices[0][1], choices[1][1], atol=1e-4, rtol=1e-4)
+
+
+def region_in_file(path, values: int, rows: int, hidden: int, start: int):
+    """A file holding ``start`` bytes of header and room for a ``[values, rows, hidden]`` float32 region after it, as
+    a harvest begins a shard; the region over it and the worker's hold of it."""
+    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
+
+    header = bytes(range(256)) * (start // 256) + bytes(start % 256)
+    path.write_bytes(header)
+    with open(path, "r+b") as handle:
+        os.posix_fallocate(handle.fileno(), 0, start + values * rows * hidden * 4)
+    shared = SharedRows(values, rows, hidden, torch.float32, file=path, start=start)
+    region = open_region(shared.destination(0), torch.float32)
+    assert region is not None
+    return header, shared, region
+
+
+def written_in_steps(region, expected: torch.Tensor, seed: int) -> None:
+    """Write ``expected`` ``[values, rows, hidden]`` into ``region`` as an engine does: a run of rows of every value
+    at a time, the runs in a shuffled order."""
+    generator = torch.Generator().manual_seed(seed)
+    runs, row = [], 0
+    while row < expected.shape[1]:
+        length = int(torch.randint(1, 300, (1,), generator=generator))
+        runs.append((row, min(length, expected.shape[1] - row)))
+        row += length
+    for index in torch.randperm(len(runs), generator=generator).tolist():
+        first, length = runs[index]
+        region.put(first, expected[:, first : first + length])
+
+
+def assert_file_holds(path, header: bytes, expected: torch.Tensor) -> None:
+    data = path.read_bytes()
+    assert data[: len(header)] == header
+    assert data[len(header) :] == expected.numpy().tobytes()
+
+
+def chunk_digests_from_file(path) -> dict[int, bytes]:
+    from nnterp_vllm.harvest.checksums import CHUNK, chunk_digest
+
+    data = path.read_bytes()
+    return {chunk: chunk_digest(data[chunk * CHUNK : (chunk + 1) * CHUNK]) for chunk in range(-(-len(data) // CHUNK))}
+
+
+def test_a_shard_region_is_written_a_chunk_at_a_time_with_digests_hashed_as_written(tmp_path):
+    """Rows arriving in any order land where the file holds them; each whole chunk is hashed as it is written, equal
+    to the digest of the file's chunk, so the shard's checksum over them is the one computed from the file."""
+    from nnterp_vllm.harvest.checksums import CHUNKED, file_checksum
+
+    path = tmp_path / "shard"
+    header, shared, region = region_in_file(path, 3, 2000, 256, start=1000)
+    expected = torch.randn(3, 2000, 256, generator=torch.Generator().manual_seed(0))
+    written_in_steps(region, expected, seed=1)
+    region.close()
+    digests = shared.chunk_digests()
+    shared.close()
+    assert_file_holds(path, header, expected)
+    from_file = chunk_digests_from_file(path)
+    assert sorted(digests) == [1, 2, 3, 4]  # the whole chunks; the first (header) and last (partial) are read
+    assert all(digests[chunk] == from_file[chunk] for chunk in digests)
+    assert file_checksum(path, CHUNKED, digests) == file_checksum(path, CHUNKED)
+
+
+def test_rows_written_again_after_their_chunk_went_to_disk_replace_it_and_withdraw_its_digest(tmp_path):
+    path = tmp_path / "shard"
+    header, shared, region = region_in_file(path, 2, 2000, 256, start=512)
+    expected = torch.randn(2, 2000, 256, generator=torch.Generator().manual_seed(2))
+    written_in_steps(region, expected, seed=3)
+    expected[:, 100:900] = -1.0
+    region.put(100, expected[:, 100:900])
+    region.close()
+    digests = shared.chunk_digests()
+    shared.close()
+    assert_file_holds(path, header, expected)
+    from_file = chunk_digests_from_file(path)
+    assert digests and all(digests[chunk] == from_file[chunk] for chunk in digests)
+    assert sorted(digests) == [1]  # value 1's rows 100..900 lie in chunk 2 (value 0's in the partial chunk 0)
+
+
+def test_where_the_file_system_refuses_direct_writes_every_row_goes_through_the_page_cache(tmp_path, monkeypatch):
+    from nnterp_vllm.engines import shared_rows
+
+    path = tmp_path / "shard"
+    refused, opened = [], os.open
+
+    def open_file(name, flags, *args):
+        if flags & os.O_DIRECT:
+            refused.append(name)
+            raise OSError(22, "Invalid argument")
+        return opened(name, flags, *args)
+
+    monkeypatch.setattr(shared_rows.os, "open", open_file)
+    header, shared, region = region_in_file(path, 3, 2000, 256, start=1000)
+    expected = torch.randn(3, 2000, 256, generator=torch.Generator().manual_seed(4))
+    written_in_steps(region, expected, seed=5)
+    region.close()
+    assert refused and shared.chunk_digests() == {}
+    shared.close()
+    assert_file_holds(path, header, expected)
+
+
+def test_a_chunk_failing_to_reach_the_disk_is_raised_on_the_engines_thread(tmp_path, monkeypatch):
+    from nnterp_vllm.engines import shared_rows
+
+    path = tmp_path / "shard"
+    header, shared, region = region_in_file(path, 3, 2000, 256, start=1000)
+    write = os.pwritev
+
+    def failing_disk(descriptor, buffers, position):
+        if descriptor == region.direct:
+            raise OSError(5, "Input/output error")
+        return write(descriptor, buffers, position)
+
+    monkeypatch.setattr(shared_rows.os, "pwritev", failing_disk)
+    expected = torch.randn(3, 2000, 256, generator=torch.Generator().manual_seed(6))
+    with pytest.raises(OSError, match="Input/output error"):
+        written_in_steps(region, expected, seed=7)
+        region.close()
+    if any(writer.is_alive() for writer in region.writers):  # raised by a put: the region still to let go of
+        with pytest.raises(OSError, match="Input/output error"):
+            region.close()
+    assert region.writers and not any(writer.is_alive() for writer in region.writers)
+    shared.close()

@@ -23,7 +23,7 @@ from .corpus import Row
 from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import METADATA, Columns
 from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed
-from .store import write_shard
+from .store import Placed, write_shard
 
 ENGINES = ("transformers", "vllm")
 
@@ -272,8 +272,8 @@ def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
     return write_unit(unit, compute(model, unit, job), job)
 
 
-def write_unit(unit: Unit, columns: Columns, job: Job, placed: Path | None = None) -> dict[str, Any]:
-    """Write one computed shard (``placed``: the file it was filled in, `store.place_shard`); its manifest record."""
+def write_unit(unit: Unit, columns: Columns, job: Job, placed: Placed | None = None) -> dict[str, Any]:
+    """Write one computed shard (``placed``: filled in place, `store.Placed`); its manifest record."""
     return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings, placed)
 
 

@@ -6,16 +6,20 @@ of the one before finish (the engine never drains at a shard's end), and steps i
 values' region of shared memory (`engines.shared_rows.SharedRows`), laid out as the shard's columns: the engine's
 worker copies each step's kept rows straight to their places there, one copy per step for the requests that lie
 side by side. A safetensors shard's region is the shard's file itself (begun with its header and metadata and its
-disk space taken, `store.place_shard`): the rows land where the file holds them, the kernel writes them back as
-it does any file's pages, and writing the shard is checksumming the file and renaming it. A sae-lens shard's
-region is a memory file whose columns the writer writes. Nothing is done per token, or per request beyond adding
-it; a finished shard costs one call to the worker (to take its requests' rows, which frees them there) and is
-handed on, in corpus order, to the writer, whose queue is bounded (`run.BackgroundWriter`): a writer that falls
-behind holds the engine back only once that queue is full.
+disk space taken, `store.place_shard`): the rows land where the file holds them, as the worker writes them a
+chunk at a time, straight to the disk where it can, hashing each chunk as it writes it
+(`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it. A
+sae-lens shard's region is a memory file whose columns the writer writes. Nothing is done per token, or per request
+beyond adding it; a shard whose requests have all finished is taken one engine step later (its last chunks are
+written meanwhile), or at once where nothing else runs: one call to the worker (to take its requests' rows, which
+frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
+(`run.BackgroundWriter`): a writer that falls behind holds the engine back only once that queue is full.
 
 Memory: the regions of the open shards and of the shards queued for writing: at most ``FEED_STEPS *
-max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards, in memory files, or for
-safetensors in the page cache of files being written (which the kernel writes back and may free as it goes).
+max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards, in memory files; for
+safetensors, the worker's chunks being gathered (about one per value and open shard, rows arriving in order) or
+waiting for the disk (`engines.shared_rows.QUEUED_CHUNKS` per shard at most), and the page cache of what goes
+through it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..capture import Capture
 from .compute import Job, Unit, metadata
 from .in_engine import EngineHarvester
 from .layouts import Columns, Safetensors, layout_of
-from .store import place_shard
+from .store import Placed, place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -40,8 +44,8 @@ FEED_STEPS = 2
 
 @dataclass
 class OpenShard:
-    """A shard in the engine: its unit, columns, region (in its file where ``placed``), and the requests still
-    running."""
+    """A shard in the engine: its unit, columns, region (in its file where ``placed``), the requests still
+    running, and the engine step after which none was."""
 
     unit: Unit
     columns: Columns
@@ -53,11 +57,15 @@ class OpenShard:
     running: set[str] = field(default_factory=set)
     #: Prompt tokens of the running requests.
     tokens: int = 0
+    #: The engine steps run when its last request finished (``None`` while one runs).
+    done_after: int | None = None
 
 
-def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Iterator[tuple[Unit, Columns, Path | None]]:
+def shards(
+    harvester: EngineHarvester, units: Iterator[Unit], job: Job
+) -> Iterator[tuple[Unit, Columns, Placed | None]]:
     """Each unit of ``units`` computed by ``harvester``'s engine, in order: its shard's columns and the file they
-    fill (`store.place_shard`; ``None`` for a layout written from the columns); the engine fed continuously.
+    filled (``None`` for a layout written from the columns); the engine fed continuously.
     Leaving early (an error, a closed generator) aborts what is still running and removes the files begun."""
     from vllm import SamplingParams
 
@@ -76,6 +84,7 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
     units = iter(units)
+    steps = 0
 
     def open_shard(unit: Unit) -> OpenShard:
         columns, kept = metadata(unit.rows, job.positions)
@@ -105,16 +114,19 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
             shard.tokens += len(prompt["prompt_token_ids"])
             owner[request_id] = shard
         shard.running = set(shard.requests)
+        if not shard.running:
+            shard.done_after = steps
         return shard
 
-    def finish(shard: OpenShard) -> Columns:
+    def finish(shard: OpenShard) -> tuple[Columns, Placed | None]:
         taken = llm.take_captured([key for key, _ in shard.requests.values()]) if shard.requests else {}
         for key, first in shard.requests.values():
             rows = next(iter(taken.get(key, {}).values()), None)  # one request (one completion) per capture key
             if rows is not None:  # kept by a worker that could not map the region
                 shard.region.fill(first, {name: unpack(found) for name, found in rows.items()}, shard.names)
+        placed = None if shard.placed is None else Placed(shard.placed, shard.region.chunk_digests())
         shard.region.close()
-        return shard.columns
+        return shard.columns, placed
 
     try:
         exhausted = False
@@ -126,15 +138,19 @@ def shards(harvester: EngineHarvester, units: Iterator[Unit], job: Job) -> Itera
                     opened.append(open_shard(unit))
             if not opened:
                 return
-            if not opened[0].running:
-                shard = opened.pop(0)
-                yield shard.unit, finish(shard), shard.placed
+            head = opened[0]
+            if head.done_after is not None and (steps > head.done_after or not any(s.running for s in opened)):
+                yield head.unit, *finish(opened.pop(0))
                 continue
-            for output in engine.step():
+            outputs = engine.step()
+            steps += 1
+            for output in outputs:
                 if output.finished and output.request_id in owner:
                     shard = owner.pop(output.request_id)
                     shard.running.discard(output.request_id)
                     shard.tokens -= len(output.prompt_token_ids)
+                    if not shard.running:
+                        shard.done_after = steps
     finally:
         running = [request_id for shard in opened for request_id in shard.running]
         if running:

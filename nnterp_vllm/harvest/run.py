@@ -45,7 +45,7 @@ from .layouts import FORMATS, Columns
 from .reader import Harvest, load_harvest
 from .resume import Resume
 from .selection import Selection, check_selectors, parse, token_shape
-from .store import OVERWRITE, HarvestError, Store, positive_int
+from .store import OVERWRITE, HarvestError, Placed, Store, positive_int
 
 #: The loaded models a harvest takes, by module and class.
 LOADED_MODELS = (("nnterp_vllm.standardized", "Standardized"), ("nnterp_vllm.engines.steered", "SteeredVLLM"))
@@ -96,8 +96,8 @@ class BackgroundWriter:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harvest-writer")
         self.pending: collections.deque[tuple[Unit, Future]] = collections.deque()
 
-    def put(self, unit: Unit, columns: Columns, placed: Path | None = None) -> None:
-        """Queue ``columns`` (unit ``unit``; ``placed``: the file they fill, `write_unit`) for writing, once there is
+    def put(self, unit: Unit, columns: Columns, placed: Placed | None = None) -> None:
+        """Queue ``columns`` (unit ``unit``; ``placed``: filled in place, `write_unit`) for writing, once there is
         room; record the writes done meanwhile."""
         while self.pending and (len(self.pending) >= WRITES_QUEUED or self.pending[0][1].done()):
             self.record_oldest()

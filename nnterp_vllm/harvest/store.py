@@ -24,10 +24,11 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
+from .checksums import CHECKSUM, CHECKSUMS, CHUNKED, file_checksum, recorded_checksum
 from .files import staging, write_json
 from .layouts import Columns, SaeLens, Safetensors, layout_of
 
@@ -101,7 +102,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         if not isinstance(record, dict) or any(name not in record for name in RECORD_KEYS):
             raise _damaged(path, f"the record of shard {key!r} lacks one of {RECORD_KEYS}")
         if recorded_checksum(record) is None:
-            raise _damaged(path, f"the record of shard {key!r} carries no checksum (one of {tuple(HASHES)})")
+            raise _damaged(path, f"the record of shard {key!r} carries no checksum (one of {CHECKSUMS})")
     return manifest
 
 
@@ -281,23 +282,35 @@ class Store:
         self.saved = True
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A shard filled in place: its file (as `place_shard` began it) and the digests of the chunks its writer hashed
+    as it wrote them, by chunk (`checksums.CHUNKED`; the other chunks are read from the file)."""
+
+    path: Path
+    digests: dict[int, bytes] = field(default_factory=dict)
+
+
 def write_shard(
     out: Path,
     index: int,
     columns: Columns,
     record: dict[str, Any],
     settings: dict[str, Any],
-    placed: Path | None = None,
+    placed: Placed | None = None,
 ) -> dict[str, Any]:
     """Write one shard in the layout ``settings`` name, under a temporary name, then rename it; a failed write leaves
-    nothing behind. A shard filled in place (``placed``: the temporary file `place_shard` began) is only renamed."""
+    nothing behind. A shard filled in place (``placed``) is only checksummed (`checksums.CHUNKED`) and renamed."""
     layout = layout_of(settings)
     path = Path(out) / layout.file_name(index)
-    temporary = placed or staging(path)
+    temporary = placed.path if placed else staging(path)
     with _removed_on_failure(temporary, path):
-        digest = file_checksum(temporary) if placed else layout.write(temporary, columns)
+        if placed:
+            checksum, digest = CHUNKED, file_checksum(temporary, CHUNKED, placed.digests)
+        else:
+            checksum, digest = CHECKSUM, layout.write(temporary, columns)
         os.replace(temporary, path)
-    return {**record, "file": path.name, "bytes": path.stat().st_size, CHECKSUM: digest}
+    return {**record, "file": path.name, "bytes": path.stat().st_size, checksum: digest}
 
 
 def place_shard(out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]]) -> tuple[Path, int]:
