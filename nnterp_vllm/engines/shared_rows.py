@@ -120,12 +120,11 @@ class Region:
 
     A file's whole `checksums.CHUNK` s are gathered in memory reused from chunk to chunk and each is written once
     complete, by `CHUNK_WRITERS` threads of the region's own, straight to the disk (``O_DIRECT``) where the file
-    system allows it:
-    the engine's thread only copies rows in memory, and no page the kernel must first allocate is filled (which on
-    some machines costs more than the copy). Each such chunk's digest is computed from memory as it is written and
-    left in the client's table, so the shard's checksum reads nothing back. The rest goes through the page cache, as
-    any file's writes: the region's partial first and last chunks, a memory file, a file system refusing
-    ``O_DIRECT``, a chunk written to again after it went to the disk (its digest then withdrawn). At most
+    system allows it: the engine's thread only copies rows in memory, and no page the kernel must first allocate is
+    filled (which on some machines costs more than the copy). Each such chunk's digest is computed from memory as it
+    is written and left in the client's table, so the shard's checksum reads nothing back. The rest goes through the
+    page cache, as any file's writes: the region's partial first and last chunks, a memory file, a file system
+    refusing ``O_DIRECT``, a chunk written to again after it went to the disk (its digest then withdrawn). At most
     `QUEUED_CHUNKS` complete chunks wait for the disk (a disk slower than the engine holds it back only then), and
     `close` waits for none: those still waiting then are written through the page cache, as the writers finish theirs.
     """
