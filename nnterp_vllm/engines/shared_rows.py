@@ -248,14 +248,13 @@ class Region:
 
     def _write_run(self, chunk: int, buffers: list[mmap.mmap], direct: bool) -> None:
         """Write ``buffers`` back to back from chunk ``chunk`` on."""
-        descriptor = self.direct if direct else self.descriptor
         try:
-            written = os.pwritev(descriptor, buffers, chunk * CHUNK)
+            written = os.pwritev(self.direct if direct else self.descriptor, buffers, chunk * CHUNK)
         except OSError as refused:
             if not direct or refused.errno != errno.EINVAL:
                 raise
-            descriptor, written = self.descriptor, 0  # O_DIRECT refused for this file after all
-        for at, buffer in enumerate(buffers):  # what a short write left
+            written = 0  # O_DIRECT refused for this file after all: all of it through the page cache, below
+        for at, buffer in enumerate(buffers):  # what a short write left, through the page cache
             done = min(max(written - at * CHUNK, 0), CHUNK)
             if done < CHUNK:
                 _write(self.descriptor, memoryview(buffer)[done:], (chunk + at) * CHUNK + done)

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -288,7 +288,7 @@ class Placed:
     as it wrote them, by chunk (`checksums.CHUNKED`; the other chunks are read from the file)."""
 
     path: Path
-    digests: dict[int, bytes] = field(default_factory=dict)
+    digests: dict[int, bytes]
 
 
 def write_shard(
