@@ -19,7 +19,9 @@ as a user gets it, (f-own) our harvest told to run so);
     the same bytes through the in-engine path's own steps (the shard file begun, its values' region filled from
     memory as the engine's worker fills it, checksummed and renamed), then fsync;
 with ``--peers``, (p1) vllm-lens and (p2) interp-engine's vLLM backend keeping every block's residual stream of
-the same rows in memory (`peers`; installed into ``.cache/`` on first use);
+the same rows in memory (`peers`; installed into ``.cache/`` on first use), each with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` as (f) runs, and (p1-own, p2-own) as it runs by default (``1``, vLLM's default;
+interp-engine's ``AsyncLLM`` keeps its engine core in a process of its own either way);
 and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c), (g)/(f) and the peers run in
 alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median of the
 rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length (as
@@ -59,7 +61,7 @@ SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's mode
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
 PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm", "plain-vllm-own", "vllm-own", "disk", "writer")
-PEERS = ("vllm-lens", "interp-engine")
+PEERS = ("vllm-lens", "interp-engine", "vllm-lens-own", "interp-engine-own")
 #: Measured once, after the rounds.
 ONCE = ("saelens", "vllm-nnsight", "read")
 #: The measurements of the short-documents workload.
@@ -71,7 +73,7 @@ ENGINE_PROCESS = {
     "vllm-own": "1",
     "plain-vllm-own": "1",
     "vllm-nnsight": "0",
-    **dict.fromkeys(PEERS, "0"),
+    **{peer: "1" if peer.endswith("-own") else "0" for peer in PEERS},
 }
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -348,7 +350,7 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, 
         import peers
 
         sys.path.insert(0, str(peers.install(Path(__file__).resolve().parent.parent / ".cache")))
-        run = peers.vllm_lens_harvest if name == "vllm-lens" else peers.interp_engine_harvest
+        run = peers.vllm_lens_harvest if name.startswith("vllm-lens") else peers.interp_engine_harvest
         done = {"runs": [run(checkpoint, harvest_rows(checkpoint, corpus, context_length))]}
     elif name == "disk":
         done = {"runs": [disk_write(scratch, known.get("bytes") or 256 * 2**20)]}
@@ -445,6 +447,8 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         "vllm-own-3": f"(f3-own) our harvest, layers.{SHALLOW}, own process",
         "vllm-lens": "(p1) vllm-lens, all 30 residuals, in memory",
         "interp-engine": "(p2) interp-engine vLLM backend, all 30, in memory",
+        "vllm-lens-own": "(p1-own) vllm-lens, as it runs by default",
+        "interp-engine-own": "(p2-own) interp-engine, as it runs by default",
         "disk": "(w) the disk: plain write + fsync, same bytes as (f)",
         "writer": "(w2) the harvest's writing alone, + fsync, same bytes",
     }
@@ -504,6 +508,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
     ratio("(f)/(e) tokens/s: in the engine against nnsight", "vllm", "vllm-nnsight", "")
     for peer in PEERS:
         ratio(f"(f)/({peer}) tokens/s", "vllm", peer, ">= 1.2")
+        ratio(f"({peer})/(f) CPU per token", peer, "vllm", "", by=cpu)
     ratio("(w2)/(w) bytes/s: the harvest's writing / the disk", "writer", "disk", ">= 0.9", by=written)
     if "disk" in written:
         for key in ("vllm", "vllm-3"):
