@@ -207,21 +207,18 @@ class Region:
 
     def _write_chunks(self) -> None:
         """A writer thread of the region: takes the chunks waiting, up to `CHUNK_RUN` at a time, and writes them
-        (`_take`) until it takes the end (``None``; any other end it took is handed back for the other writers)."""
+        (`_take`) until it takes an end (``None``, one per writer, queued after every chunk)."""
         while True:
             taken = [self.queue.get()]
-            while len(taken) < CHUNK_RUN:
+            while len(taken) < CHUNK_RUN and taken[-1] is not None:
                 try:
                     taken.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            self._take([sent for sent in taken if sent is not None], direct=True)
-            ends = taken.count(None)
-            for _ in range(ends):
+            end = taken[-1] is None
+            self._take(taken[:-1] if end else taken, direct=True)
+            if end:
                 self.queue.task_done()
-            if ends:
-                for _ in range(ends - 1):
-                    self.queue.put(None)
                 return
 
     def _take(self, taken: list[tuple[int, mmap.mmap]], direct: bool) -> None:
