@@ -2,8 +2,9 @@
 
 Greedy generation of a batch of prompts x new tokens (``ignore_eos``) by: plain vLLM (its default
 compiled mode); SteeredVLLM with no steering, with every request steered by one shared vector at one
-layer, at 8 layers, with each request's own vector, with one direction ablated at every residual-stream location
-(`Ablate`) and capped at 8 layers (`Cap`); StandardizedVLLM (nnsight) steering every
+layer, at 8 layers, with each request's own vector (at one layer, and at 8: as many distinct vectors as prompts in
+the steering pool), with one direction ablated at every residual-stream location (`Ablate`) and capped at 8
+layers (`Cap`); StandardizedVLLM (nnsight) steering every
 step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
 does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
 
@@ -46,6 +47,7 @@ STEERED = (
     "one shared vector at 1 layer",
     "one shared vector at 8 layers",
     "each request its own vector",
+    "each request its own vector at 8 layers",
     "one direction ablated everywhere",
     "one direction capped at 8 layers",
 )
@@ -93,6 +95,7 @@ def steered_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callabl
                 Steering(LAYER, vector(llm.hidden_size), FACTOR),
                 Steering(EIGHT_LAYERS, vector(llm.hidden_size), FACTOR),
                 [Steering(LAYER, vector(llm.hidden_size, seed), FACTOR) for seed in range(len(batch))],
+                [Steering(EIGHT_LAYERS, vector(llm.hidden_size, seed), FACTOR) for seed in range(len(batch))],
                 Ablate(vector(llm.hidden_size, 1)),
                 Cap(vector(llm.hidden_size, 2), EIGHT_LAYERS, min=-1.0, max=1.0),
             ],

@@ -74,6 +74,27 @@ def _serve(args: argparse.Namespace) -> int:
     return main(args.arguments)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .engines.planning import plan, printed
+
+    made = plan(
+        args.model,
+        args.device,
+        args.tensor_parallel_size,
+        server=args.server,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_steering_entries=args.max_steering_entries,
+        directions_per_block=args.steering_directions_per_block,
+        capture_values=args.capture_values,
+        saes=args.sae or (),
+    )
+    print(json.dumps(made.as_dict(), indent=2) if args.json else printed(made))
+    return 0
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from .checkpoints import smollm2
 
@@ -147,6 +168,24 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("arguments", nargs=argparse.REMAINDER)
     serve.set_defaults(run=_serve)
+    planned = commands.add_parser(
+        "plan",
+        help="what a steered engine of a model takes of a GPU, per rank, beside vLLM's KV cache (reads its config)",
+    )
+    planned.add_argument("model", help="a hub id, a checkpoint directory or a config.json")
+    planned.add_argument("--device", default="h100", help="h100 (default), h200, a100-80g or b200")
+    planned.add_argument("--tensor-parallel-size", type=int, default=1)
+    planned.add_argument("--server", action="store_true", help="vLLM's defaults for its OpenAI server, not for LLM")
+    planned.add_argument("--dtype", help="the dtype the model runs in (default: the checkpoint's own)")
+    planned.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    planned.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's for the device")
+    planned.add_argument("--max-num-seqs", type=int, help="default: vLLM's for the device")
+    planned.add_argument("--max-steering-entries", type=int, help="the steering pool's size (default: the model's)")
+    planned.add_argument("--steering-directions-per-block", type=int, help="direction slots per entry (default: 2)")
+    planned.add_argument("--capture-values", nargs="+", metavar="SELECTOR", help="values requests may capture")
+    planned.add_argument("--sae", nargs="+", metavar="DIR", help="SAELens SAE directories the engine holds")
+    planned.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    planned.set_defaults(run=_plan)
     prepare = commands.add_parser(
         "prepare", help="prepare the embedded default model (SmolLM2-135M) and print its path"
     )

@@ -86,7 +86,7 @@ def poisoned_request(llm: SteeredVLLM) -> tuple[dict, SamplingParams]:
     """The refused steering, made into a request past the client's check (as if the bound were float64's)."""
     ids = llm.get_tokenizer()(POISON)["input_ids"]
     specs = [Steering(1, [3e38] * HIDDEN, factor=10)]
-    wire, salt = request_steering(specs, LAYERS, HIDDEN, len(ids), 2, torch.float64)
+    wire, salt = request_steering(specs, LAYERS, HIDDEN, len(ids), torch.float64)
     return {"prompt_token_ids": ids, "cache_salt": salt}, SamplingParams(**GREEDY, extra_args={EXTRA_ARGS_KEY: wire})
 
 

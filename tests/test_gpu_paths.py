@@ -6,10 +6,12 @@
   would use imports nothing of vLLM's CPU worker, which would replace ``torch.cuda``'s events and streams.
 - Under CUDA graphs vLLM's GPU runner wraps the model in its ``CUDAGraphWrapper``: the steered engine with the
   model wrapped as ``GPUModelRunner.load_model`` wraps it steers and captures exactly as the unwrapped one.
-- Kept rows leaving an accelerator (`RowsLeaving`): staged, copied on a stream of their own and handed on only
-  once the copy's event has completed, in step order, by a writer thread (into a harvest's file region too, its
-  failures raised on the engine's thread), with a stand-in for the device's streams and events.
-- The device-memory check of the steered engine's buffers, and the share of a device the notebook engine takes.
+- Kept rows leaving an accelerator (`RowsLeaving`): only the rows some request keeps, gathered into a compact
+  buffer, copied a bounded part at a time on a stream of their own and handed on only once each copy's event has
+  completed, in step order, by a writer thread (into a harvest's file region too, its failures raised on the
+  engine's thread), with a stand-in for the device's streams and events.
+- The device-memory check of the steered engine's buffers (the memory model's, `memory`), and the share of a
+  device the notebook engine takes.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ import torch
 from vllm import SamplingParams
 
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
-from nnterp_vllm.engines.capture import HOST_BUFFERS, KeptRows, RowsLeaving
-from nnterp_vllm.engines.runners import buffer_sizes, check_room
+from nnterp_vllm.engines import memory
+from nnterp_vllm.engines.capture import KeptRows, Piece, RowsLeaving
+from nnterp_vllm.engines.memory import EngineSizes, Ledger, check_room, engine_buffers
 from nnterp_vllm.engines.shared_rows import Region, SharedRows, open_region
-from nnterp_vllm.engines.steering_table import PARAMS, SteeringTable
 from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -214,7 +216,7 @@ def test_the_steered_engine_steers_and_captures_inside_vllms_cuda_graph_wrapper(
     tokens, kept, stats = steered_run(path)
     assert len(wrapped) == 1
     assert tokens == plain_tokens
-    assert stats["resident_rows"] >= 1 and stats["eager_calls"] == stats["capture_eager_calls"] == 0
+    assert stats["entry_writes"] >= 1 and stats["eager_calls"] == stats["capture_eager_calls"] == 0
     for inside, plain in zip(kept, plain_kept):
         assert inside.keys() == plain.keys()
         for name in inside:
@@ -246,14 +248,15 @@ def test_the_nnsight_engine_reads_the_model_inside_vllms_cuda_graph_wrapper(path
 
 class StandInDevice:
     """An accelerator's torch module as `RowsLeaving` uses it, on the CPU: copies happen at once, but each event
-    reports completion only on its second ``query`` (a copy still on its way), or when waited for."""
+    reports completion only on its second ``query`` (a copy still on its way) or once waited for, and says
+    whether it was."""
 
     class Event:
         def __init__(self) -> None:
             self.asked = 0
             self.waited = False
 
-        def record(self, stream: object) -> None:
+        def record(self, stream: object = None) -> None:
             pass
 
         def query(self) -> bool:
@@ -288,40 +291,88 @@ def stand_in_device() -> type[StandInDevice]:
     return type("Device", (StandInDevice,), {"compute": StandInDevice.Stream()})
 
 
-def sent_steps(leaving: RowsLeaving, rows: torch.Tensor, request: KeptRows, steps: int) -> list[torch.Tensor]:
-    """Run ``steps`` steps of two tokens through ``leaving`` as the engine does, each keeping ``request``'s next two
-    rows; each step's rows as its forward wrote them. At most `HOST_BUFFERS` steps are held at once."""
+def leaving_rows(values: int, tokens: int, hidden: int, device: object) -> tuple[torch.Tensor, RowsLeaving]:
+    """A capture buffer and its way off a stand-in accelerator, allocated as the engine allocates them (`Ledger`)."""
+    sizes = EngineSizes(3, hidden, torch.float32, tokens, 4, 8, 1, values, (), accelerator=True)
+    ledger = Ledger(engine_buffers(sizes), "cpu")
+    rows = ledger.allocate("capture buffer")
+    return rows, RowsLeaving(rows, ledger, device)
+
+
+def sent_steps(leaving: RowsLeaving, rows: torch.Tensor, requests: list[KeptRows], steps: int) -> list[torch.Tensor]:
+    """Run ``steps`` steps of two tokens per request through ``leaving`` as the engine does, each request keeping its
+    next two rows; each step's rows as its forward wrote them."""
     written = []
     for step in range(steps):
-        rows.fill_(float(step + 1))  # the step's forward writes the buffer
-        written.append(rows[:, :2].clone())
-        leaving.deliver(wait=False)
-        leaving.send([(request, 0, 2 * step, 2)], 2)
-        assert len(leaving.held) <= HOST_BUFFERS
-        rows.fill_(-1.0)  # the next forward overwrites it before the copy is handed on
+        rows.copy_(torch.randn(rows.shape))  # the step's forward writes the buffer
+        written.append(rows[:, : 2 * len(requests)].clone())
+        leaving.send([(request, 2 * i, 2 * step, 2) for i, request in enumerate(requests)], 2 * len(requests))
+        rows.fill_(-1.0)  # the next forward overwrites it before the rows are handed on
     return written
 
 
-def test_kept_rows_are_handed_on_in_step_order_only_once_their_copy_has_arrived():
-    values, tokens, hidden = 2, 6, 3
-    rows = torch.zeros(values, tokens, hidden)
+def kept_request(values: int, hidden: int, slots: list[int] | None = None) -> KeptRows:
+    """A request keeping ``values`` values, with room for its first step, as vLLM's runner makes it."""
+    with torch.inference_mode():
+        tensors = [torch.zeros(2, hidden) for _ in range(values)]
+    return KeptRows({"values": [f"v{i}" for i in range(values)]}, slots or list(range(values)), tensors)
+
+
+def test_only_the_kept_rows_leave_the_device_handed_on_in_order_once_arrived(monkeypatch):
+    values, tokens, hidden, steps = 3, 8, 4, 5
+    # Host buffers of three rows: each step's twelve kept rows go off the device in four parts.
+    monkeypatch.setattr(memory, "HOST_CHUNK_BYTES", 3 * hidden * 4)
     device = stand_in_device()
-    leaving = RowsLeaving(rows, device)
-    with torch.inference_mode():  # as vLLM's runner makes the requests' tensors, with room for the first step
-        request = KeptRows({"values": ["a", "b"]}, [0, 1], [torch.zeros(2, hidden), torch.zeros(2, hidden)])
-    written = sent_steps(leaving, rows, request, 4)
-    # At most two steps on their way (two host buffers); the older ones were written, in order.
-    assert len(leaving.on_the_way) <= 2
-    assert request.filled == 2 * (4 - len(leaving.on_the_way))
+    rows, leaving = leaving_rows(values, tokens, hidden, device)
+    assert tuple(leaving.hosts.shape) == (2, 3, hidden)
+    copies, write = [], Piece.write
+
+    def written_once_arrived(self: Piece, part: torch.Tensor) -> None:
+        # Every copy to the host recorded so far but the newest two (the host buffers in flight) was waited for.
+        assert all(event.waited for event in copies[:-2])
+        write(self, part)
+
+    record = device.Event.record
+
+    def recorded(self, stream: object = None) -> None:
+        if stream is leaving.stream:
+            copies.append(self)
+        record(self, stream)
+
+    monkeypatch.setattr(device.Event, "record", recorded)
+    monkeypatch.setattr(Piece, "write", written_once_arrived)
+    requests = [kept_request(values, hidden), kept_request(values, hidden, slots=[2, 0, 1])]
+    written = sent_steps(leaving, rows, requests, steps)
     leaving.deliver(wait=True)
-    assert not leaving.on_the_way and not leaving.held and request.filled == 8
-    for step, expected in enumerate(written):
-        for slot in range(values):
-            torch.testing.assert_close(request.tensors[slot][2 * step : 2 * step + 2], expected[slot])
-    # Each staging copy waited (on the device) for the previous copy out of the staging buffer.
-    assert len(device.compute.waits) == 3
+    assert leaving.moved == steps * 2 * 2 * values  # each step: two rows of every value of two requests, no more
+    for index, request in enumerate(requests):
+        assert request.filled == 2 * steps
+        for step, expected in enumerate(written):
+            for value, slot in enumerate(request.slots):
+                torch.testing.assert_close(
+                    request.tensors[value][2 * step : 2 * step + 2], expected[slot, 2 * index : 2 * index + 2]
+                )
+    # Every gather after the first waited (on the device) for the last copy out of the compact buffer.
+    assert len(device.compute.waits) == steps - 1
     leaving.close()
     assert not leaving.writer.is_alive()
+    assert len(copies) == steps * 4 and all(event.waited for event in copies)
+
+
+def test_a_last_position_step_moves_one_row_per_request_and_value():
+    values, tokens, hidden = 4, 16, 8
+    rows, leaving = leaving_rows(values, tokens, hidden, stand_in_device())
+    requests = [kept_request(values, hidden) for _ in range(3)]
+    rows.copy_(torch.randn(rows.shape))
+    expected = rows.clone()
+    # Three prompts of five tokens in one step, each keeping its last token's row of every value.
+    leaving.send([(request, 5 * i + 4, 0, 1) for i, request in enumerate(requests)], 15)
+    leaving.deliver(wait=True)
+    assert leaving.moved == 3 * values  # not the step's 15 tokens x 4 values
+    for i, request in enumerate(requests):
+        for value in range(values):
+            torch.testing.assert_close(request.tensors[value][0], expected[value, 5 * i + 4])
+    leaving.close()
 
 
 def region_request(values: int, rows: int, hidden: int) -> tuple[SharedRows, KeptRows]:
@@ -334,21 +385,20 @@ def region_request(values: int, rows: int, hidden: int) -> tuple[SharedRows, Kep
 
 def test_kept_rows_are_written_into_a_region_by_the_writer_thread_not_the_engines(monkeypatch):
     values, tokens, hidden, steps = 2, 6, 3, 5
-    rows = torch.zeros(values, tokens, hidden)
-    leaving = RowsLeaving(rows, stand_in_device())
+    rows, leaving = leaving_rows(values, tokens, hidden, stand_in_device())
     shared, request = region_request(values, 2 * steps, hidden)
     put, writers = Region.put, []
 
-    def slow_put(self: Region, row: int, rows: torch.Tensor) -> None:
+    def slow_put(self: Region, row: int, rows: torch.Tensor, value: int = 0) -> None:
         writers.append(threading.get_ident())
         time.sleep(0.05)  # a slow disk
-        put(self, row, rows)
+        put(self, row, rows, value)
 
     monkeypatch.setattr(Region, "put", slow_put)
-    written = sent_steps(leaving, rows, request, steps)
+    written = sent_steps(leaving, rows, [request], steps)
     leaving.deliver(wait=True)
-    assert not leaving.held and request.filled == 2 * steps
-    assert len(writers) == steps and threading.get_ident() not in writers
+    assert not leaving.pending and request.filled == 2 * steps
+    assert len(writers) == steps * values and threading.get_ident() not in writers
     torch.testing.assert_close(shared.tensor, torch.cat(written, dim=1))
     leaving.close()
     request.region.close()
@@ -357,12 +407,11 @@ def test_kept_rows_are_written_into_a_region_by_the_writer_thread_not_the_engine
 
 def test_a_write_failing_on_the_writer_thread_is_raised_on_the_engines(monkeypatch):
     values, tokens, hidden = 2, 6, 3
-    rows = torch.zeros(values, tokens, hidden)
-    leaving = RowsLeaving(rows, stand_in_device())
+    rows, leaving = leaving_rows(values, tokens, hidden, stand_in_device())
     shared, request = region_request(values, 8, hidden)
     puts = []
 
-    def full_disk(self: Region, row: int, rows: torch.Tensor) -> None:
+    def full_disk(self: Region, row: int, rows: torch.Tensor, value: int = 0) -> None:
         puts.append(row)
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -380,31 +429,17 @@ def test_a_write_failing_on_the_writer_thread_is_raised_on_the_engines(monkeypat
     shared.close()
 
 
-def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes(path):
-    from vllm.engine.arg_utils import EngineArgs
-
-    from nnterp_vllm.engines.steered_settings import steering_settings
-
-    settings = steering_settings(
-        path, {"max_num_batched_tokens": 4096}, capture_values=["layers.*.layer_output"], directions_per_block=3
-    )
-    config = EngineArgs(model=str(path), max_num_batched_tokens=4096, **settings).create_engine_config()
-    on_gpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cuda"))
-    on_cpu = buffer_sizes(config, config.additional_config["nnterp_vllm_steering"]["capture"], torch.device("cpu"))
-    layers, hidden = config.model_config.hf_text_config.num_hidden_layers, config.model_config.get_hidden_size()
-    element = config.model_config.dtype.itemsize
-    assert on_gpu["capture buffers"] == 2 * on_cpu["capture buffers"] == 2 * layers * 4096 * hidden * element
-    rows = 1 + min(4096, 2 * config.scheduler_config.max_num_seqs)
-    slots = 1 + 2 * 3  # each row's added vector, each of its 3 directions' read and write directions
-    entries = layers + 1  # each block's and the directions ablated everywhere
-    per_row = slots * hidden * element + 3 * PARAMS * 4  # and the directions' float32 parameters
-    assert on_gpu["steering table"] == entries * rows * per_row + 4096 * 8
-    table = SteeringTable(  # the buffers the engine allocates are the ones sized
-        entries, rows, 4096, hidden, config.model_config.dtype, "cpu", directions=3
-    )
-    assert sum(buffer.nbytes for buffer in table.buffers()) == on_gpu["steering table"]
-    check_room(on_gpu, sum(on_gpu.values()))
-    with pytest.raises(ValueError, match=r"capture buffers 0\.\d\d GiB.*0\.00 GiB of the device is left.*Lower"):
-        check_room(on_gpu, 1000)
-    no_rows = buffer_sizes(config, ["layers.0.layer_output"], torch.device("cuda"), keeps=False)
-    assert set(no_rows) == {"steering table"}
+def test_buffers_that_do_not_fit_the_device_are_refused_naming_their_sizes_and_settings():
+    sizes = EngineSizes(30, 576, torch.bfloat16, 4096, 256, 256, 3, 30, (), accelerator=True)
+    buffers = engine_buffers(sizes)
+    device = sum(buffer.nbytes for buffer in buffers.values() if not buffer.pinned)
+    check_room(buffers, device)
+    with pytest.raises(
+        ValueError,
+        match=r"capture buffer 0\.\d\d GiB \(capture_values, max_num_batched_tokens\).*"
+        r"0\.00 GiB of it is left.*Lower the setting",
+    ):
+        check_room(buffers, 1000)
+    # A tensor-parallel rank after the first keeps no rows: no capture buffers there.
+    later_rank = engine_buffers(EngineSizes(30, 576, torch.bfloat16, 4096, 256, 256, 3, 30, (), True, keeps_rows=False))
+    assert not [name for name in later_rank if name.startswith("capture")]

@@ -1232,17 +1232,19 @@ def test_what_the_server_cannot_serve_is_refused_as_the_command_line_is_read(fla
         parse([str(tiny.checkpoint("llama")), *flags])
 
 
-def test_the_steering_tables_size_comes_from_the_command_line():
+def test_the_steering_pools_size_comes_from_the_command_line():
     from nnterp_vllm.serve.command_line import parse
     from nnterp_vllm.serve.server import engine_args
 
     path = str(tiny.checkpoint("llama"))
-    settings = engine_args(parse([path, "--steering-directions-per-block", "3", "--steering-rows-per-request", "4"]))
+    settings = engine_args(parse([path, "--steering-directions-per-block", "3", "--max-steering-entries", "40"]))
     chosen = settings.additional_config["nnterp_vllm_steering"]
-    assert (chosen["directions_per_block"], chosen["rows_per_request"]) == (3, 4)
+    assert (chosen["directions_per_block"], chosen["max_steering_entries"]) == (3, 40)
     assert engine_args(parse([path])).additional_config["nnterp_vllm_steering"]["directions_per_block"] == 2
     with pytest.raises(ValueError, match="steering_directions_per_block must be an int >= 1, got 0"):
         engine_args(parse([path, "--steering-directions-per-block", "0"]))
+    with pytest.raises(ValueError, match="max_steering_entries must be an int >= 1, got 0"):
+        engine_args(parse([path, "--max-steering-entries", "0"]))
 
 
 def bad_sources(tmp_path: Path) -> list[tuple[list[str], str]]:

@@ -632,10 +632,11 @@ class TestSteeredVLLM:
         for factor in (1.0, 2.0, 3.0):  # new vectors, new rows: the same compiled graph
             model.generate(SUBJECTS[2], SamplingParams(**GREEDY), Steering(1, vector, factor=factor))
         (after,) = model.steering_stats()
-        assert after["eager_calls"] == before["eager_calls"] == 0
+        # No run outside the compiled graph: only a step clamping a TopK SAE's feature runs eagerly (earlier tests).
+        assert after["eager_calls"] == before["eager_calls"]
         assert after["compilation"] == before["compilation"]
         assert after["dynamo_unique_graphs"] == before["dynamo_unique_graphs"]
-        assert after["row_writes"] >= before["row_writes"] + 3
+        assert after["entry_writes"] >= before["entry_writes"] + 3
 
     def test_the_prefix_cache_is_keyed_by_the_steering(self, family):
         model = family.model
@@ -726,10 +727,6 @@ class TestSteeredVLLM:
             (lambda n: [Steering(1, torch.zeros(7))], r"shape \[hidden_size\] = \[128\]"),
             (lambda n: [Steering(9, torch.zeros(n))], r"layer\(s\) \[9\] do not exist.*num_layers=3"),
             (lambda n: [Steering(1, torch.zeros(n), positions=[500])], r"position\(s\) \[500\] are outside"),
-            (
-                lambda n: [Steering(1, torch.ones(n), positions=p) for p in ("prompt", "generated", [0])],
-                "act on 3 distinct combinations",
-            ),
             (lambda n: Ablate(torch.zeros(n), layers=1), "nonzero, finite norm"),
             (lambda n: Cap(torch.ones(n), layers="all", max=1.0), r"layers='all' is served by Ablate only"),
             (lambda n: Cap(torch.ones(n), layers=1), "give min, max or both"),
@@ -763,7 +760,7 @@ class TestSteeredVLLM:
             assert list(output.activations) == capture.names(family.hf.num_layers)
         (after,) = model.capture_stats()
         (steering_after,) = model.steering_stats()
-        assert after["eager_calls"] == before["eager_calls"] == 0
+        assert after["eager_calls"] == before["eager_calls"]  # (earlier steps clamping a TopK feature ran eagerly)
         assert after["rows_kept"] > before["rows_kept"]
         assert steering_after["compilation"] == steering_before["compilation"]
         assert steering_after["dynamo_unique_graphs"] == steering_before["dynamo_unique_graphs"]
@@ -844,8 +841,10 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
         ({"worker_cls": "my.Worker"}, "worker_cls is refused"),
         ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
-        ({"steering_rows_per_request": 0}, "steering_rows_per_request must be an int >= 1"),
+        ({"max_steering_entries": 0}, "max_steering_entries must be an int >= 1"),
         ({"steering_directions_per_block": 0}, "steering_directions_per_block must be an int >= 1"),
+        ({"enable_dbo": True}, r"enable_dbo is refused .*True.* \(dual batch overlap\) is not supported"),
+        ({"ubatch_size": 2}, r"ubatch_size is refused .*2.* micro-batching \(ubatch_size > 1\) is not supported"),
         ({"capture_values": "layers.1.self_attn.attention_queries"}, "capture_values: .* is not kept by the engine"),
         ({"capture_values": "layers.3.layer_output"}, r"layer\(s\) \[3\] do not exist"),
         (

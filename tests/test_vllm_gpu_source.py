@@ -70,6 +70,19 @@ INSTANCE_ATTRIBUTES = (
         "KVCacheManager",
     ),
     ("engines/scheduling.py", "coordinator.cache_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"),
+    # the steering pool: requests placed before they are scheduled, released as vLLM frees them
+    ("engines/scheduling.py", "scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    (
+        "engines/scheduling.py",
+        "scheduler._handle_blocked_waiting_request",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+    ),
+    ("engines/scheduling.py", "scheduler._free_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    # a step run eagerly: the forward context told to bypass the compiled model and CUDA graphs
+    ("engines/runners.py", "context.skip_compiled", "vllm.forward_context", "ForwardContext"),
+    ("engines/runners.py", "context.cudagraph_runtime_mode", "vllm.forward_context", "ForwardContext"),
+    ("engines/runners.py", "parallel_config.use_ubatching", "vllm.config.parallel", "ParallelConfig"),
     ("engines/cpu_executors.py", "current_platform.ray_device_key", "vllm.platforms.interface", "Platform"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.attention", "Attention"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),

@@ -1,20 +1,21 @@
 """In-engine capture: standardized values kept by one static operation each, inside vLLM's compiled model.
 
 An engine built to keep some values (`capture_settings`; their names ride ``additional_config``, so they also
-key vLLM's compile cache) has, on its worker, one ``rows [values, max_num_batched_tokens, hidden]`` buffer and,
-at each kept value's location, a hook that copies the step's ``[tokens, hidden]`` stream into its row of the
-buffer with `keep_rows`: a custom op the compiled graph calls in place (no copy of the whole buffer, no graph
-break, captured into CUDA graphs on GPUs). The locations are found through the model's family in
-``families/vllm/`` by the descriptors nnsight reads (`Value.located`), so both paths read the same values.
+key vLLM's compile cache) has, on its worker, one ``rows [values, max_num_batched_tokens, hidden]`` buffer (the
+memory model's ``capture buffer``) and, at each kept value's location, a hook that copies the step's ``[tokens,
+hidden]`` stream into its row of the buffer with `keep_rows`: a custom op the compiled graph calls in place (no
+copy of the whole buffer, no graph break, captured into CUDA graphs on GPUs). The locations are found through the
+model's family in ``families/vllm/`` by the descriptors nnsight reads (`Value.located`), so both paths read the
+same values.
 
 Before each step the runner lays out which scheduled tokens each capturing request keeps (`Capturer.plan`,
 from the scheduler's output, as the steering table is filled); after the forward it hands those rows on to the
-request's own tensors (`Capturer.gather`), one slice per value per request, by position: chunked prefill,
-requests joining and leaving, and a preempted request computed again keep each row once, in position order. On
-the CPU the rows are handed on at once; from an accelerator they leave without a host sync (`RowsLeaving`):
-copied into a staging buffer on the compute stream, then to pinned host memory on a copy stream of their own,
-overlapped with the next step, and once that copy has completed handed on by a writer thread, so the engine's
-next steps overlap the writing too, within the few host buffers the rows arrive in. The client takes a finished
+request's own tensors, one piece per value per run of a request's tokens (`Piece`), by position: chunked
+prefill, requests joining and leaving, and a preempted request computed again keep each row once, in position
+order. On the CPU the rows are handed on at once, from the buffer; from an accelerator only the rows some request
+keeps leave the device, without a host sync (`RowsLeaving`): gathered on the compute stream into a compact buffer
+by a per-step index, then copied to pinned host memory by a writer thread, a bounded part at a time on a copy stream
+of its own, and handed on from there, overlapped with the engine's next steps. The client takes a finished
 request's tensors in one call (`Capturer.take`, once every row sent is written); they never travel through the
 engine's output queue. Under tensor parallelism the stream is whole on every rank, so only the first rank keeps
 rows.
@@ -28,7 +29,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,8 @@ from ..capture import EXTRA_ARGS_KEY, STATIC_ROOT_VALUES, kept_count, kept_runs
 from ..components import Layers
 from ..components.values import Located
 from ..standardized import Standardized, standard_rename
-from ..steering.saes import SAE
+from .memory import Ledger
+from .sae_encoding import DeviceSAE
 from .shared_rows import INTO, Region, open_region
 
 logger = logging.getLogger(__name__)
@@ -63,13 +65,13 @@ def _keep_rows_shapes(rows: torch.Tensor, slot: int, value: torch.Tensor) -> Non
 
 
 class CaptureRows(torch.nn.Module):
-    """The per-step buffer of kept values, ``rows [values, tokens, hidden]``, registered on every hooked module
-    (a non-persistent buffer: no weight file names it) so the compiled graph reads it at a stable path."""
+    """The per-step buffer of kept values, ``rows [values, tokens, hidden]`` (the memory model's ``capture
+    buffer``), registered on every hooked module (a non-persistent buffer: no weight file names it) so the compiled
+    graph reads it at a stable path."""
 
-    def __init__(self, values: int, tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, ledger: Ledger) -> None:
         super().__init__()
-        with torch.inference_mode(False):
-            self.register_buffer("rows", torch.zeros(values, tokens, hidden, dtype=dtype, device=device), False)
+        self.register_buffer("rows", ledger.allocate("capture buffer"), False)
         #: How many times a hook writing these buffers ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
 
@@ -200,27 +202,38 @@ class KeptRows:
             return None
         return {name: tensor[: self.filled] for name, tensor in zip(self.wire["values"], self.tensors)}
 
-    def handed_back(self, saes: dict[int, SAE], device: torch.device) -> dict[str, torch.Tensor] | None:
-        """What the client gets (`named`): where the capture asks for SAE features, each of them encoded on
-        ``device`` by the SAE at its block (``saes``) from the block's kept rows (`encoded_features`), and only
-        the values the capture asked for."""
+    def handed_back(self, saes: dict[int, DeviceSAE], buffer: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+        """What the client gets (`named`): where the capture asks for SAE features, each of them encoded by the SAE
+        at its block (``saes``, on the engine's device, into its encoding ``buffer``) from the block's kept rows
+        (`encoded_features`), and only the values the capture asked for."""
         named = self.named()
         if named is None or "sae" not in self.wire:
             return named
         for entry in self.wire["sae"]:
-            named.update(encoded_features(saes[entry["layer"]], named[entry["source"]], entry, device))
+            named.update(encoded_features(saes[entry["layer"]], named[entry["source"]], entry, buffer))
         return {name: named[name] for name in self.wire["returned"]}
 
 
-def encoded_features(sae: SAE, rows: torch.Tensor, entry: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """An SAE-feature capture (an entry of a wire's ``"sae"``) of ``rows`` ``[kept, hidden]``: the top-k's
-    ``<name>.indices`` (int64) and ``<name>.values``, or the chosen features' ``<name>``, ``[kept, k]`` float32 on
-    the CPU, encoded on ``device``."""
-    features = sae.on(device).encode(rows.to(device))
-    if entry["features"] is not None:
-        return {entry["name"]: features[:, entry["features"]].cpu()}
-    top = features.topk(entry["top_k"], dim=-1)
-    return {f"{entry['name']}.indices": top.indices.cpu(), f"{entry['name']}.values": top.values.cpu()}
+def encoded_features(
+    sae: DeviceSAE, rows: torch.Tensor, entry: dict[str, Any], buffer: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """An SAE-feature capture (an entry of a wire's ``"sae"``) of ``rows`` ``[kept, hidden]``, encoded a bounded part
+    at a time into ``buffer``: the top-k's ``<name>.indices`` (int64) and ``<name>.values``, or the chosen
+    features' ``<name>``, ``[kept, k]`` float32 on the CPU."""
+    chosen = entry["features"]
+    width = len(chosen) if chosen is not None else entry["top_k"]
+    values = torch.empty(len(rows), width, dtype=torch.float32)
+    indices = torch.empty(len(rows), width, dtype=torch.int64) if chosen is None else None
+    for start, features in sae.encoded(rows, buffer):
+        end = start + len(features)
+        if chosen is not None:
+            values[start:end] = features[:, chosen].cpu()
+        else:
+            top = features.topk(width, dim=-1)
+            values[start:end], indices[start:end] = top.values.cpu(), top.indices.cpu()
+    if chosen is not None:
+        return {entry["name"]: values}
+    return {f"{entry['name']}.indices": indices, f"{entry['name']}.values": values}
 
 
 def keeps_rows() -> bool:
@@ -231,17 +244,43 @@ def keeps_rows() -> bool:
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) -> None:
-    """Copy one step's kept rows, ``rows [values, step tokens, hidden]`` on the host, into their requests' tensors:
-    ``step`` lists each run as ``(request, first token in the step, first row of the request, length)``. Runs of
-    requests whose rows lie next to each other in one region, as they lie in the step, go in one copy."""
-    merged: list[Any] = []  # [region, slots, first token, first region row, length]
+@dataclasses.dataclass
+class Piece:
+    """A run of one kept value's rows of a step: ``length`` rows of the capture buffer's ``slot`` from token
+    ``token`` of the step, going to rows ``row`` on of ``value`` of the request's ``kept`` rows (or, for requests
+    lying next to each other in one region, merged, of ``region``)."""
+
+    kept: KeptRows | None
+    region: Region | None
+    value: int
+    slot: int
+    token: int
+    row: int
+    length: int
+
+    def write(self, rows: torch.Tensor) -> None:
+        """Write the piece's ``rows`` (``[length, hidden]``, on the host) where they go."""
+        if self.region is not None:
+            self.region.put(self.row, rows[None], self.value)
+        else:
+            self.kept.tensors[self.value][self.row : self.row + len(rows)].copy_(rows)
+
+    def part(self, skip: int, length: int) -> Piece:
+        """The piece's rows ``skip`` to ``skip + length``."""
+        return dataclasses.replace(self, token=self.token + skip, row=self.row + skip, length=length)
+
+
+def pieces(step: Sequence[tuple[KeptRows, int, int, int]]) -> list[Piece]:
+    """One step's runs (each ``(request, first token in the step, first row of the request, length)``) as pieces,
+    one per value per run; runs of requests whose rows lie next to each other in one region, as they lie in the
+    step, merged into one piece per value. Each request's tensors are first made to hold the rows it gets."""
+    merged: list[list[Any]] = []  # [region, slots, first token, first region row, length]
+    made: list[Piece] = []
     for kept, token, row, length in step:
         kept.room(row + length)
         kept.filled = max(kept.filled, row + length)
         if kept.region is None:
-            for tensor, slot in zip(kept.tensors, kept.slots):
-                tensor[row : row + length].copy_(rows[slot, token : token + length])
+            made += [Piece(kept, None, value, slot, token, row, length) for value, slot in enumerate(kept.slots)]
             continue
         last = merged[-1] if merged else None
         if (
@@ -255,107 +294,102 @@ def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) 
         else:
             merged.append([kept.region, kept.slots, token, kept.first + row, length])
     for region, slots, token, row, length in merged:
-        region.put(row, rows[_slots_index(slots), token : token + length])
+        made += [Piece(None, region, value, slot, token, row, length) for value, slot in enumerate(slots)]
+    return made
 
 
-def _slots_index(slots: list[int]) -> slice | list[int]:
-    """``slots`` as an index of the buffer's first dimension: a slice (a view) where they are consecutive."""
-    if slots == list(range(slots[0], slots[0] + len(slots))):
-        return slice(slots[0], slots[0] + len(slots))
-    return slots
-
-
-#: Pinned host buffers the kept rows of consecutive steps arrive in, in turn: the steps sent and not yet written.
-HOST_BUFFERS = 2
+def hand_on(rows: torch.Tensor, step: Sequence[tuple[KeptRows, int, int, int]]) -> None:
+    """Copy one step's kept rows, ``rows [values, step tokens, hidden]`` on the host, into their requests' tensors
+    or regions (`pieces`)."""
+    for piece in pieces(step):
+        piece.write(rows[piece.slot, piece.token : piece.token + piece.length])
 
 
 class RowsLeaving:
-    """Kept rows leaving an accelerator without a host sync in the step, written by a thread of their own.
+    """Kept rows leaving an accelerator without a host sync in the step: only the rows some request keeps, written
+    by a thread of their own.
 
-    After a step's forward, its rows are copied on the compute stream into a staging buffer (device to device,
-    fast), so the next step's forward may write the capture buffer again; a copy stream of its own waits for that
-    copy (an event) and moves the staged rows to one of `HOST_BUFFERS` pinned host buffers, overlapped with the
-    next step's forward; the next staging copy waits (on the device) for that one to finish. Once a copy's event has
-    completed (polled after each step), its step goes to the writer thread, which hands the rows on (`hand_on`: into
-    the requests' tensors or their regions, whose writes release the GIL) in step order, overlapped with the engine's
-    next steps, and then frees the host buffer. A host buffer is reused only once its rows are written, so the host
-    buffers bound the memory held: the engine waits only when the one it needs is still on its way from the device
-    or waiting for the writer (a slow disk slows the engine only then), or when rows are read or let go of
-    (`deliver` waiting). What the writer fails with is raised on the engine's thread at the next `send` or
-    `deliver`, and nothing more is written. The staging buffer is allocated with the capture buffer, before vLLM
-    profiles memory, and counted.
+    After a step's forward, the rows its requests keep are gathered on the compute stream, by an index of the
+    capture buffer's rows written in pinned host memory before (the memory model's ``capture row index``), into the
+    compact buffer (``capture compact rows``), so the next step's forward may write the capture buffer again. The
+    writer thread then copies the compact rows to the `HOST_BUFFERS` pinned host buffers (``capture rows on the
+    host``), a buffer's worth at a time, on a copy stream of its own that waits for the gather, and hands each part
+    on once its copy has completed (into the requests' tensors or their regions, whose writes release the GIL), in
+    step order, overlapped with the engine's next steps. A host buffer is reused only once its rows are written,
+    so the host buffers bound the memory held; the next step's gather waits (on the device) for the last copy out
+    of the compact buffer, so the engine's thread waits only for the writer to have sent every part of the step
+    before, which it has unless the disk is the slower. What the writer fails with is raised on the engine's thread
+    at the next `send` or `deliver`, and nothing more is written.
 
     ``device`` is the accelerator's torch module (``torch.cuda``: its ``Stream``, ``Event``, ``current_stream``,
     ``stream``).
     """
 
-    def __init__(self, rows: torch.Tensor, device: Any) -> None:
+    def __init__(self, rows: torch.Tensor, ledger: Ledger, device: Any) -> None:
         self.rows, self.device = rows, device
-        with torch.inference_mode(False):
-            self.staging = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
-        pinned = rows.device.type != "cpu"
-        self.hosts = [torch.empty(rows.numel(), dtype=rows.dtype, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
+        self.compact = ledger.allocate("capture compact rows", fill=None)
+        self.index = ledger.allocate("capture row index")
+        self.host_index = ledger.allocate("capture row index written")
+        self.hosts = ledger.allocate("capture rows on the host", fill=None)
         self.stream = device.Stream(rows.device)
-        self.staging_free: Any = None
-        self.next_host = 0
-        #: Steps whose copy to the host may not have completed: ``(host buffer, event, step, tokens)``, in order.
-        self.on_the_way: collections.deque[tuple[int, Any, list, int]] = collections.deque()
-        #: Host buffers whose rows are not yet written (on their way, or waiting for or being written by the writer).
-        self.held: set[int] = set()
+        #: The event the next gather waits for (the last copy out of the compact buffer), once the writer sent it.
+        self.compact_free: Any = None
+        self.index_free: Any = None
+        self.sent = 0
         self.failure: Exception | None = None
         self.written = threading.Condition()
-        # Never more steps than host buffers: each holds its buffer until written.
-        self.handed: queue.Queue[tuple[int, list, int] | None] = queue.Queue()
+        #: Steps sent and not yet written.
+        self.pending = 0
+        self.handed: queue.Queue[tuple[Any, list[Piece], int] | None] = queue.Queue()
         self.writer = threading.Thread(target=self._write, name="nnterp-vllm-kept-rows", daemon=True)
         self.writer.start()
 
+    @property
+    def moved(self) -> int:
+        """Rows copied off the device so far."""
+        return self.sent
+
     def send(self, step: list[tuple[KeptRows, int, int, int]], tokens: int) -> None:
-        """Start moving the first ``tokens`` tokens' rows of every value to the host (all copies enqueued, none
-        waited for by the host unless the host buffer they go to is not yet written)."""
-        host = self.next_host
-        self.next_host = (host + 1) % len(self.hosts)
-        while any(slot == host for slot, *_ in self.on_the_way):
-            self.deliver_one(wait=True)
-        self._wait(lambda: host not in self.held)
-        values, _, hidden = self.rows.shape
-        size = values * tokens * hidden
+        """Gather the step's kept rows into the compact buffer (enqueued on the compute stream, after the previous
+        step's rows have left it) and hand them to the writer."""
+        self._raise_failure()
+        made = pieces(step)
+        count = sum(piece.length for piece in made)
+        if not count:
+            return
+        values, capacity, _ = self.rows.shape
+        if self.index_free is not None:
+            self.index_free.synchronize()  # the previous step's index has reached the device (long since, as a rule)
+        index = self.host_index.numpy()
+        at = 0
+        for piece in made:
+            start = piece.slot * capacity + piece.token
+            index[at : at + piece.length] = np.arange(start, start + piece.length)
+            at += piece.length
         compute = self.device.current_stream(self.rows.device)
-        if self.staging_free is not None:
-            compute.wait_event(self.staging_free)
-        staged = self.staging[:size].view(values, tokens, hidden)
-        staged.copy_(self.rows[:, :tokens])
-        ready = self.device.Event()
-        ready.record(compute)
-        self.stream.wait_event(ready)
-        with self.device.stream(self.stream):
-            self.hosts[host][:size].copy_(self.staging[:size], non_blocking=True)
-            arrived = self.device.Event()
-            arrived.record(self.stream)
-        self.staging_free = arrived
+        self.index[:count].copy_(self.host_index[:count], non_blocking=True)
+        self.index_free = self.device.Event()
+        self.index_free.record(compute)
+        with self.written:  # the writer has sent every part of the step before out of the compact buffer
+            self.written.wait_for(lambda: self.compact_free is not None or self.failure is not None)
+        self._raise_failure()
+        free, self.compact_free = self.compact_free, None
+        if free is not True:
+            compute.wait_event(free)
+        torch.index_select(self.rows.view(values * capacity, -1), 0, self.index[:count], out=self.compact[:count])
+        gathered = self.device.Event()
+        gathered.record(compute)
         with self.written:
-            self.held.add(host)
-        self.on_the_way.append((host, arrived, step, tokens))
+            self.pending += 1
+        self.handed.put((gathered, made, count))
 
     def deliver(self, wait: bool) -> None:
-        """Hand the steps whose copy has completed to the writer, in step order; where ``wait``, all of them, and
-        return once the writer has written them all."""
-        if self.failure is not None:
-            raise self.failure
-        while self.on_the_way and self.deliver_one(wait):
-            pass
+        """Raise what the writer failed with; where ``wait``, return once it has written every step sent."""
+        self._raise_failure()
         if wait:
-            self._wait(lambda: not self.held)
-
-    def deliver_one(self, wait: bool) -> bool:
-        """Hand the oldest step to the writer if its rows have arrived (after waiting for them, where ``wait``);
-        whether it was handed."""
-        host, arrived, step, tokens = self.on_the_way[0]
-        if not wait and not arrived.query():
-            return False
-        arrived.synchronize()
-        self.on_the_way.popleft()
-        self.handed.put((host, step, tokens))
-        return True
+            with self.written:
+                self.written.wait_for(lambda: not self.pending or self.failure is not None)
+            self._raise_failure()
 
     def close(self) -> None:
         """Write every step sent, then stop the writer thread (raising what it failed with, if anything)."""
@@ -365,30 +399,61 @@ class RowsLeaving:
             self.handed.put(None)
             self.writer.join()
 
-    def _wait(self, done: Callable[[], bool]) -> None:
-        """Wait until ``done()`` holds as the writer goes on; raise what the writer failed with, if anything."""
-        with self.written:
-            self.written.wait_for(lambda: done() or self.failure is not None)
+    def _raise_failure(self) -> None:
         if self.failure is not None:
             raise self.failure
 
     def _write(self) -> None:
-        """The writer thread: hand on each step handed to it, in order, and free its host buffer; stop at `close`
-        or at the first failure, kept for the engine's thread."""
-        values, _, hidden = self.rows.shape
+        """The writer thread: copy each step's compact rows to the host buffers part by part, handing each part on
+        once it has arrived, in order; stop at `close` or at the first failure, kept for the engine's thread."""
+        with self.written:
+            self.compact_free = True  # the first gather waits for nothing
+            self.written.notify_all()
+        on_the_way: collections.deque[tuple[Any, torch.Tensor, int, list[Piece], int]] = collections.deque()
+        turn = 0
         with torch.inference_mode():  # the requests' tensors were made in vLLM's inference mode
             while (handed := self.handed.get()) is not None:
-                host, step, tokens = handed
+                gathered, made, count = handed
                 try:
-                    hand_on(self.hosts[host][: values * tokens * hidden].view(values, tokens, hidden), step)
+                    self.stream.wait_event(gathered)
+                    part = self.hosts.shape[1]
+                    for start in range(0, count, part):
+                        if len(on_the_way) == len(self.hosts):
+                            self._hand_on(*on_the_way.popleft())
+                        host = self.hosts[turn % len(self.hosts)]
+                        turn += 1
+                        length = min(part, count - start)
+                        with self.device.stream(self.stream):
+                            host[:length].copy_(self.compact[start : start + length], non_blocking=True)
+                            arrived = self.device.Event()
+                            arrived.record(self.stream)
+                        on_the_way.append((arrived, host, start, made, length))
+                    with self.written:
+                        self.compact_free = arrived
+                        self.written.notify_all()
+                    while on_the_way:
+                        self._hand_on(*on_the_way.popleft())
+                    self.sent += count
                 except Exception as failure:
                     with self.written:
                         self.failure = failure
                         self.written.notify_all()
                     return
                 with self.written:
-                    self.held.discard(host)
+                    self.pending -= 1
                     self.written.notify_all()
+
+    @staticmethod
+    def _hand_on(arrived: Any, host: torch.Tensor, start: int, made: list[Piece], length: int) -> None:
+        """Once a part's copy has arrived, write its rows (the step's compact rows ``start`` to ``start + length``,
+        in the host buffer ``host``) where their pieces go."""
+        arrived.synchronize()
+        at = 0
+        for piece in made:
+            low, high = max(at, start), min(at + piece.length, start + length)
+            if low < high:
+                piece.part(low - at, high - low).write(host[low - start : high - start])
+            at += piece.length
 
 
 class Capturer:
@@ -398,11 +463,12 @@ class Capturer:
         self,
         model: torch.nn.Module,
         vllm_config: Any,
-        device: torch.device,
         names: Sequence[str],
-        saes: Sequence[SAE] = (),
+        ledger: Ledger,
+        saes: dict[int, DeviceSAE],
+        encoding: torch.Tensor | None,
     ) -> None:
-        model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+        model_config = vllm_config.model_config
         self.names = list(names)
         self.slots = {name: slot for slot, name in enumerate(self.names)}
         found = locate(model, Standardized._model_type(model_config.hf_config), self.names)
@@ -413,9 +479,9 @@ class Capturer:
             name: (where.module, where.attribute) for name, where in found.items() if name not in self.reasons
         }
         self.keeps = keeps_rows()
-        self.device = device
-        #: The SAEs the engine holds (whose features captures encode from the rows kept), by the block they read.
-        self.saes = {sae.layer: sae for sae in saes}
+        #: The SAEs the engine holds on its device (whose features captures encode from the rows kept), by the
+        #: block they read, and the buffer their features are encoded into.
+        self.saes, self.encoding = saes, encoding
         self.hidden = model_config.get_hidden_size()
         self.requests: dict[str, KeptRows | None] = {}
         #: Destinations mapped here (`shared_rows`), by id: the region and how many requests write into it.
@@ -426,13 +492,12 @@ class Capturer:
         self.rows_kept = 0
         self.buffers: CaptureRows | None = None
         self.leaving: RowsLeaving | None = None
-        if not self.keeps or not self.names or self.reasons:
+        if "capture buffer" not in ledger or self.reasons:
             return
-        self.buffers = CaptureRows(
-            len(self.names), scheduler.max_num_batched_tokens, self.hidden, model_config.dtype, device
-        )
+        self.buffers = CaptureRows(ledger)
+        device = torch.device(ledger.device)
         if device.type != "cpu":
-            self.leaving = RowsLeaving(self.buffers.rows, torch.get_device_module(device))
+            self.leaving = RowsLeaving(self.buffers.rows, ledger, torch.get_device_module(device))
         for name, where in found.items():
             module = model.get_submodule(where.module)
             if not hasattr(module, "nnterp_capture"):
@@ -547,12 +612,12 @@ class Capturer:
         for entry, kept in list(self.finished.items()):
             key, request_id = entry.split("/", 1)
             if key in wanted:
-                found.setdefault(key, {})[request_id] = kept.handed_back(self.saes, self.device)
+                found.setdefault(key, {})[request_id] = kept.handed_back(self.saes, self.encoding)
                 del self.finished[entry]
                 self.release(kept)
         for request_id, kept in self.requests.items():
             if kept is not None and not kept.taken and kept.wire["key"] in wanted:
-                found.setdefault(kept.wire["key"], {})[request_id] = kept.handed_back(self.saes, self.device)
+                found.setdefault(kept.wire["key"], {})[request_id] = kept.handed_back(self.saes, self.encoding)
                 kept.taken = True
                 self.release(kept)
         if packed:
@@ -580,7 +645,8 @@ class Capturer:
             "rows_kept": self.rows_kept,
             "live_requests": sum(kept is not None for kept in self.requests.values()),
             "finished_held": len(self.finished),
-            "steps_on_the_way": len(self.leaving.held) if self.leaving is not None else 0,
+            "steps_on_the_way": self.leaving.pending if self.leaving is not None else 0,
+            "rows_moved_off_the_device": self.leaving.moved if self.leaving is not None else 0,
             "regions_mapped": len(self.regions),
         }
 

@@ -17,8 +17,10 @@ import torch
 
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
-from .steered_settings import CONFIG_KEY, SAES_SETTING, WORKER_CLASSES, held_saes
-from .steering_table import PARAMS, Steerer, table_directions, table_rows, table_slots
+from .memory import Ledger, check_room, engine_buffers, sizes_of
+from .sae_encoding import place_saes
+from .steered_settings import CONFIG_KEY, WORKER_CLASSES, held_saes
+from .steering_table import Steerer
 from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
 
 
@@ -36,19 +38,27 @@ class SteeringModelRunner:
         compiles the model (steering first, so a value kept at a steered block's output is the steered stream).
 
         Everything reads the model vLLM loaded (``get_model()``), never the CUDA-graph wrapper vLLM puts around it
-        on GPUs. The operations' buffers are allocated here, before vLLM profiles memory, so its profile counts
-        them; on an accelerator they are first checked against what the engine may still take."""
+        on GPUs. The operations' buffers are the memory model's (`memory.engine_buffers`), allocated here, before
+        vLLM profiles memory, so its profile counts them; on an accelerator they are first checked against what
+        the engine may still take."""
         super().load_model(*args, **kwargs)
+        if self.vllm_config.parallel_config.use_ubatching:
+            raise ValueError(
+                "micro-batching (enable_dbo or ubatch_size > 1) is refused by the steered engine: its steering rows "
+                "and kept rows are laid out over a whole step"
+            )
         model = self.get_model()
         containment.keep_kv_cache_finite(model)
         run_first_blocks(model, self.vllm_config)
         names = self.vllm_config.additional_config[CONFIG_KEY].get(CAPTURE_SETTING, [])
+        buffers = engine_buffers(sizes_of(self.vllm_config, self.device.type != "cpu", keeps_rows()))
         if self.memory_budget is not None:
-            sizes = buffer_sizes(self.vllm_config, names, self.device, keeps_rows())
-            check_room(sizes, self.memory_budget.left(self.device))
-        saes = held_saes(self.vllm_config)
-        self._steerer = Steerer(model, self.vllm_config, self.device, saes)
-        self._capturer = Capturer(model, self.vllm_config, self.device, names, saes)
+            check_room(buffers, self.memory_budget.left(self.device))
+        self._ledger = Ledger(buffers, self.device)
+        placed, encoding = place_saes(held_saes(self.vllm_config), self._ledger)
+        topk = {layer: sae for layer, sae in placed.items() if sae.architecture == "topk"}
+        self._steerer = Steerer(model, self.vllm_config, self._ledger, topk, encoding)
+        self._capturer = Capturer(model, self.vllm_config, names, self._ledger, placed, encoding)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -56,6 +66,18 @@ class SteeringModelRunner:
         self._steerer.fill(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         self._capturer.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         return prepared
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's forward, bypassing the compiled model (and CUDA graphs) for a step that must run eagerly: one in
+        which a token clamps a TopK SAE's feature (`steering_table`)."""
+        if self._steerer.eager:
+            from vllm.config import CUDAGraphMode
+            from vllm.forward_context import get_forward_context
+
+            context = get_forward_context()
+            context.skip_compiled = True
+            context.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        return super()._model_forward(*args, **kwargs)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         output = super().execute_model(*args, **kwargs)
@@ -92,44 +114,6 @@ class MemoryBudget:
         if self.kv_cache_bytes:
             return free - self.kv_cache_bytes
         return min(free, self.requested - (self.free_at_start - free))
-
-
-def buffer_sizes(
-    vllm_config: Any, capture_names: Sequence[str], device: torch.device, keeps: bool = True
-) -> dict[str, int]:
-    """Bytes of the device buffers a steered engine of ``vllm_config`` allocates on ``device`` as it loads: the
-    steering table and its token index, and (where this rank ``keeps`` rows: `keeps_rows`) the capture buffer,
-    twice on an accelerator (its staging copy, `RowsLeaving`)."""
-    model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
-    element = torch.empty((), dtype=model_config.dtype).element_size()
-    hidden, tokens = model_config.get_hidden_size(), scheduler.max_num_batched_tokens
-    layers = model_config.hf_text_config.num_hidden_layers + 1  # and the directions ablated everywhere
-    rows, directions = table_rows(vllm_config), table_directions(vllm_config)
-    slots = table_slots(directions) * hidden * element + directions * PARAMS * 4  # directions, their parameters
-    sizes = {"steering table": layers * rows * slots + tokens * 8}
-    topk = [
-        sae for sae in vllm_config.additional_config[CONFIG_KEY].get(SAES_SETTING, []) if sae["architecture"] == "topk"
-    ]
-    if topk:
-        sizes["TopK SAE encoders"] = sum((sae["d_in"] + 3) * sae["d_sae"] * 4 + sae["d_in"] * 4 for sae in topk)
-    if capture_names and keeps:
-        copies = 1 if device.type == "cpu" else 2
-        sizes["capture buffers"] = copies * len(capture_names) * tokens * hidden * element
-    return sizes
-
-
-def check_room(sizes: dict[str, int], left: int) -> None:
-    """Refuse, naming the sizes, buffers (``sizes``: bytes by name) that do not fit in the ``left`` bytes."""
-    needed = sum(sizes.values())
-    if needed <= left:
-        return
-    each = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in sizes.items())
-    raise ValueError(
-        f"the steered engine's buffers need {needed / 2**30:.2f} GiB ({each}), but {max(left, 0) / 2**30:.2f} GiB "
-        "of the device is left to this engine after its weights (gpu_memory_utilization, or kv_cache_memory_bytes). "
-        "Lower max_num_batched_tokens, steering_rows_per_request, steering_directions_per_block or the capture_values "
-        "kept, or raise gpu_memory_utilization."
-    )
 
 
 def _define_worker_classes() -> None:
@@ -171,6 +155,9 @@ def _define_worker_classes() -> None:
     def take_captured(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
         return self.model_runner._capturer.take(keys, packed)
 
+    def allocated_buffers(self: Any) -> dict[str, Any]:
+        return self.model_runner._ledger.held()
+
     worker_class = type(
         names[1],
         (Worker,),
@@ -181,6 +168,7 @@ def _define_worker_classes() -> None:
             "capture_stats": capture_stats,
             "capture_places": capture_places,
             "take_captured": take_captured,
+            "allocated_buffers": allocated_buffers,
         },
     )
     publish(globals(), runner_class, worker_class)

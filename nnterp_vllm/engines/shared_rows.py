@@ -156,11 +156,11 @@ class Region:
         self.failure: Exception | None = None
         _OPEN.add(self)
 
-    def put(self, row: int, rows: torch.Tensor) -> None:
-        """Write ``rows`` (``[values, length, hidden]``, on the host) to rows ``row`` on of each value, in the
-        region's dtype."""
+    def put(self, row: int, rows: torch.Tensor, value: int = 0) -> None:
+        """Write ``rows`` (``[values, length, hidden]``, on the host) to rows ``row`` on of each value, from the
+        region's value ``value`` on, in the region's dtype."""
         self._raise_failure()
-        for index, values in enumerate(rows):
+        for index, values in enumerate(rows, start=value):
             data = values.to(self.dtype).contiguous()  # the rows themselves where they already are
             buffer = memoryview(data.view(torch.uint8).numpy()).cast("B")
             self._place(self.start + index * self.value_bytes + row * self.row_bytes, buffer)

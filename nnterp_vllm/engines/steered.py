@@ -36,16 +36,18 @@ from ..steering.specs import (
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
+from .memory import STEERING_ROWS_PER_SEQUENCE
 from .shared_rows import INTO
 from .steered_settings import (
     CONFIG_KEY,
-    ROWS_PER_REQUEST,
     SAES_SETTING,
+    STEERING_ENTRIES,
     held,
     held_saes,
     steered_engine_args,
     steering_settings,
 )
+from .steering_pool import needs
 from .vllm_platform import TAKEN, remove_socket_directory, socket_directory
 
 
@@ -121,10 +123,11 @@ class SteeringClient:
             self.num_layers,
             self.hidden_size,
             length,
-            self.vllm_config.additional_config[CONFIG_KEY]["rows_per_request"],
             self.vllm_config.model_config.dtype,
             self.vllm_config.additional_config[CONFIG_KEY]["directions_per_block"],
         )
+        if made is not None:
+            self._check_pool(made[0], len(specs))
         wire = None
         if capture is not None:
             if params.n != 1:
@@ -149,6 +152,32 @@ class SteeringClient:
                 params.skip_reading_prefix_cache = True
         params.extra_args = extra
         return engine_input, params, wire
+
+    @property
+    def max_steering_entries(self) -> int:
+        """The steering pool's size: distinct contents (the specs one request applies at one block; shared by every
+        block and request applying the same) the engine holds at once (`steering_pool`)."""
+        return self.vllm_config.additional_config[CONFIG_KEY][STEERING_ENTRIES]
+
+    @property
+    def max_steering_rows(self) -> int:
+        """Steering rows the engine holds at once: distinct sets of specs requests apply to some of their tokens
+        (two per sequence the engine runs at once: ``max_num_seqs``)."""
+        return STEERING_ROWS_PER_SEQUENCE * self.vllm_config.scheduler_config.max_num_seqs
+
+    def _check_pool(self, steering: dict[str, Any], count: int) -> None:
+        """Refuse a request whose steering (engine form) needs more of the pool than the engine holds at all: it
+        would wait forever. One that fits the pool but not its free room waits in the scheduler."""
+        wanted = needs(steering, self.num_layers)
+        for held_count, room, what, setting in (
+            (len(wanted.entries), self.max_steering_entries, "distinct block contents", "max_steering_entries=N"),
+            (len(wanted.rows), self.max_steering_rows, "distinct sets of tokens", "max_num_seqs=N (two rows each)"),
+        ):
+            if held_count > room:
+                raise ValueError(
+                    f"Steering: these {count} specs need {held_count} {what} of the engine's steering pool, which "
+                    f"holds {room}; build the engine with {setting} larger, or split the request"
+                )
 
     def _check_held(self, specs: Sequence[Any]) -> None:
         """Refuse a `Clamp` of a TopK SAE this engine does not hold: such a feature depends on all of them."""
@@ -212,11 +241,13 @@ class SteeredVLLM(SteeringClient, LLM):
 
     Args:
         model: A checkpoint directory or hub id whose model_type has a family in ``families/vllm/``.
-        steering_rows_per_request: How many distinct sets of specs one request may apply to its tokens
-            (one spec needs one; ``"prompt"`` beside ``"generated"`` two); sizes the steering table.
         steering_directions_per_block: How many caps, ablations and SAE feature clamps one token may have at one
-            block (`steering.specs.DIRECTIONS_PER_BLOCK` by default); each is a slot of every table row, applied
-            in turn at every block of every step, steered or not.
+            block (`steering.specs.DIRECTIONS_PER_BLOCK` by default); each is a direction slot of every entry of the
+            steering pool, applied in turn at every block of every step, steered or not.
+        max_steering_entries: The steering pool's size: how many distinct contents (the specs one request applies
+            at one block, shared by every block and request applying the same) the engine holds at once; by default
+            as many as 32 MiB holds, within 64..512 (`memory.default_steering_entries`). A request whose content
+            does not fit the room left waits in the scheduler until it does, as for KV blocks.
         capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
@@ -235,15 +266,15 @@ class SteeredVLLM(SteeringClient, LLM):
         self,
         model: Any,
         *,
-        steering_rows_per_request: int = ROWS_PER_REQUEST,
         steering_directions_per_block: int = DIRECTIONS_PER_BLOCK,
+        max_steering_entries: int | None = None,
         capture_values: Any = None,
         saes: Any = None,
         **kwargs: Any,
     ) -> None:
         loaded = held(model, kwargs, saes)
         settings = steering_settings(
-            model, kwargs, steering_rows_per_request, capture_values, loaded, steering_directions_per_block
+            model, kwargs, capture_values, loaded, steering_directions_per_block, max_steering_entries
         )
         kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
         with socket_directory(self):

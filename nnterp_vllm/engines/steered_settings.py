@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from vllm.engine.arg_utils import EngineArgs
 
 from .. import capture as capture_specs
@@ -22,26 +23,25 @@ from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import capture as in_engine_capture
 from . import containment
 from .capture import CAPTURE_SETTING
-from .vllm_platform import (
-    blocks_to_run,
-    choose_model_runner,
-    engine_kwargs,
-    is_cpu_platform,
-    reuse_compiled_models,
-)
+from .memory import default_steering_entries
+from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform, no_saved_graphs
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
 #: ``additional_config``'s key of the SAEs the engine holds (``saes=[...]``): their paths, names and digests.
 SAES_SETTING = "saes"
-#: Distinct steering rows one request may need unless the engine is built with another number.
-ROWS_PER_REQUEST = 2
+#: ``additional_config``'s key of the steering pool's size, in entries (`steering_pool`).
+STEERING_ENTRIES = "max_steering_entries"
 #: vLLM engine arguments the steered engine sets itself or cannot serve.
 _REFUSED = {
     "worker_cls": "the steered engine runs its own worker (vLLM's worker for the platform, re-classed runner)",
     "scheduler_cls": "the steered engine runs vLLM's own scheduler, keeping steered generated tokens out of its cache",
     "speculative_config": "draft tokens would need their own steering rows; speculative decoding is not supported",
     "pipeline_parallel_size": "every rank holds every block's steering; pipeline parallelism is not supported",
+    "enable_dbo": "the steering rows and kept rows are laid out over a whole step, not per micro-batch; "
+    "micro-batching (dual batch overlap) is not supported",
+    "ubatch_size": "the steering rows and kept rows are laid out over a whole step, not per micro-batch; "
+    "micro-batching (ubatch_size > 1) is not supported",
 }
 #: Dotted paths of the worker classes vLLM instantiates in each worker process, by platform.
 RUNNERS_MODULE = "nnterp_vllm.engines.runners"
@@ -55,39 +55,49 @@ SCHEDULER = "nnterp_vllm.engines.scheduling.PromptCachingScheduler"
 def steering_settings(
     model: Any,
     given: dict[str, Any],
-    rows_per_request: int = ROWS_PER_REQUEST,
     capture_values: Any = None,
     saes: Sequence[SAE] = (),
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
+    steering_entries: int | None = None,
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
-    The steering worker, its settings in ``additional_config`` (the table's rows per request and direction slots
-    per row, the values it keeps, ``capture_values``,
-    and the SAEs it holds, ``saes`` (loaded and checked by `held_saes`), among them; they also key vLLM's compile
-    cache apart from plain vLLM's) and this platform's defaults (`engine_kwargs`). Refuses what the steered engine
-    cannot serve, a model no vLLM family serves, and values it cannot keep, before anything loads.
+    The steering worker and scheduler, its settings in ``additional_config`` (the steering pool's entries,
+    ``steering_entries``, by default as many as the memory model gives (`memory.default_steering_entries`), and
+    direction slots per entry, the values it keeps, ``capture_values``, and the SAEs it holds, ``saes`` (loaded and
+    checked by `held_saes`), among them; they also key vLLM's compile cache apart from plain vLLM's) and this
+    platform's defaults (`engine_kwargs`). Refuses what the steered engine cannot serve, a model no vLLM family
+    serves, and values it cannot keep, before anything loads.
     """
     refused = {
         "worker_cls": given.get("worker_cls") not in (None, "auto"),
         "scheduler_cls": given.get("scheduler_cls") is not None,
         "speculative_config": given.get("speculative_config") is not None or given.get("spec_method") is not None,
         "pipeline_parallel_size": given.get("pipeline_parallel_size") not in (None, 1),
+        "enable_dbo": bool(given.get("enable_dbo")),
+        "ubatch_size": (given.get("ubatch_size") or 0) > 1,
     }
     for name, bad in refused.items():
         if bad:
-            raise ValueError(f"{name} is refused by the steered engine: {_REFUSED[name]}")
+            raise ValueError(f"{name} is refused by the steered engine (got {given[name]!r}): {_REFUSED[name]}")
+    for name, number in (("directions_per_block", directions_per_block), ("entries", steering_entries)):
+        if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
+            setting = "max_steering_entries" if name == "entries" else f"steering_{name}"
+            raise ValueError(f"{setting} must be an int >= 1, got {number!r}")
     choose_model_runner("the steered engine")
-    reuse_compiled_models()
-    for name, number in (("rows_per_request", rows_per_request), ("directions_per_block", directions_per_block)):
-        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-            raise ValueError(f"steering_{name} must be an int >= 1, got {number!r}")
+    no_saved_graphs("the steered engine")
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
     families.lookup(Standardized._model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
-    additional[CONFIG_KEY] = {
-        "rows_per_request": rows_per_request,
+    plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
+    # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
+    placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
+    if steering_entries is None:
+        hidden = config.get_text_config().hidden_size
+        steering_entries = default_steering_entries(hidden, getattr(torch, placed["dtype"]), directions_per_block)
+    settings = {
+        STEERING_ENTRIES: steering_entries,
         "directions_per_block": directions_per_block,
         "code": _code_digest(),
         CAPTURE_SETTING: kept,
@@ -96,9 +106,7 @@ def steering_settings(
             for sae in saes
         ],
     }
-    plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
-    # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
-    placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
+    placed["additional_config"] = {**(placed.get("additional_config") or {}), CONFIG_KEY: settings}
     # What this platform's defaults add or replace (the executor of a CPU engine's ranks among them).
     changed = {name: value for name, value in placed.items() if name not in plain or value is not plain[name]}
     return {
@@ -150,14 +158,14 @@ def held_saes(vllm_config: Any) -> list[SAE]:
 
 def steered_engine_args(
     engine_args: EngineArgs,
-    rows_per_request: int = ROWS_PER_REQUEST,
     capture_values: Any = None,
     saes: Any = None,
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
+    steering_entries: int | None = None,
 ) -> EngineArgs:
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
-    ``capture_values``, holding ``saes``, its steering table sized by ``rows_per_request`` and
-    ``directions_per_block``."""
+    ``capture_values``, holding ``saes``, its steering pool of ``steering_entries`` entries (the memory model's
+    default where ``None``) of ``directions_per_block`` direction slots each."""
     names = (
         "dtype",
         "worker_cls",
@@ -167,6 +175,8 @@ def steered_engine_args(
         "pipeline_parallel_size",
         "tensor_parallel_size",
         "distributed_executor_backend",
+        "enable_dbo",
+        "ubatch_size",
         "revision",
         "trust_remote_code",
         "kv_cache_memory_bytes",
@@ -175,7 +185,7 @@ def steered_engine_args(
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
     loaded = held(engine_args.model, given, saes)
     settings = steering_settings(
-        engine_args.model, given, rows_per_request, capture_values, loaded, directions_per_block
+        engine_args.model, given, capture_values, loaded, directions_per_block, steering_entries
     )
     return dataclasses.replace(engine_args, **settings)
 
@@ -184,7 +194,7 @@ def _code_digest() -> str:
     """A digest of the code the compiled graph traces through here (a change recompiles)."""
     here = Path(__file__).parent
     sources = [
-        *(here.joinpath(name).read_text() for name in ("steering_table.py", "runners.py")),
+        *(here.joinpath(name).read_text() for name in ("steering_table.py", "runners.py", "memory.py")),
         inspect.getsource(in_engine_capture),
         inspect.getsource(containment),
         inspect.getsource(on_vllm),

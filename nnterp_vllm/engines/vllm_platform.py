@@ -65,6 +65,7 @@ __all__ = [
     "choose_model_runner",
     "engine_kwargs",
     "is_cpu_platform",
+    "no_saved_graphs",
     "reuse_compiled_models",
     "run_first_blocks",
     "shutdown",
@@ -135,6 +136,27 @@ def reuse_compiled_models() -> None:
     if is_cpu_platform() and AOT_SETTING not in os.environ:
         os.environ[AOT_SETTING] = "0"
         reread_environment()
+
+
+def no_saved_graphs(engine: str) -> None:
+    """Make the vLLM engines built after this call compile their model without vLLM's ahead-of-time artifact, on
+    every platform: ``engine`` adds its own operations (custom ops and buffers) to the compiled graph, and a graph
+    saved with them and loaded by a later start is a path nothing exercises (on the CPU build the artifact cannot be
+    loaded back at all, `reuse_compiled_models`). torch's own caches (inductor's compiled graphs) still serve a
+    later start of the same model and settings. One log line says so; a caller's ``VLLM_USE_AOT_COMPILE=1`` is
+    overridden, with a warning naming it."""
+    if os.environ.get(AOT_SETTING) not in (None, "", "0"):
+        logger.warning(
+            "%s=%s overridden: %s compiles without vLLM's saved graphs", AOT_SETTING, os.environ[AOT_SETTING], engine
+        )
+    os.environ[AOT_SETTING] = "0"
+    reread_environment()
+    logger.info(
+        "%s compiles its model without vLLM's ahead-of-time artifact (%s=0): a saved graph holding its own "
+        "operations is not loaded back; torch's compile caches serve later starts",
+        engine,
+        AOT_SETTING,
+    )
 
 
 #: KV cache given to a CPU engine unless the caller sizes it. Without an explicit size vLLM's CPU

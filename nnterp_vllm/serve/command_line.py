@@ -28,7 +28,6 @@ def parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ..engines.steered_settings import ROWS_PER_REQUEST
     from ..steering.specs import DIRECTIONS_PER_BLOCK
     from .fields import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
@@ -67,16 +66,17 @@ def parser() -> Any:
         "more is answered 400",
     )
     steering.add_argument(
-        "--steering-rows-per-request",
+        "--max-steering-entries",
         type=int,
-        default=ROWS_PER_REQUEST,
-        help="distinct sets of specs one request may apply to its tokens (sizes the engine's steering table)",
+        help="the steering pool's size: distinct contents (the specs one request applies at one block, shared by "
+        "every block and request applying the same) the engine holds at once; a request that does not fit waits "
+        "(default: as many as 32 MiB holds, within 64..512; see nnterp-vllm plan)",
     )
     steering.add_argument(
         "--steering-directions-per-block",
         type=int,
         default=DIRECTIONS_PER_BLOCK,
-        help="caps, ablations and SAE feature clamps one token may have at one block (slots of each table row)",
+        help="caps, ablations and SAE feature clamps one token may have at one block (slots of each pool entry)",
     )
     steering.add_argument(
         "--max-steering-specs",

@@ -361,7 +361,7 @@ def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     """The steered engine's arguments from the parsed command line (vLLM's engine arguments and ours)."""
     arguments = AsyncEngineArgs.from_cli_args(args)
     return steered_engine_args(
-        arguments, args.steering_rows_per_request, args.capture_values, args.sae, args.steering_directions_per_block
+        arguments, args.capture_values, args.sae, args.steering_directions_per_block, args.max_steering_entries
     )
 
 

@@ -391,7 +391,6 @@ def request_steering(
     num_layers: int,
     hidden_size: int,
     prompt_length: int,
-    rows_per_request: int,
     dtype: torch.dtype = torch.float32,
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
 ) -> tuple[dict[str, Any], str | None] | None:
@@ -412,15 +411,7 @@ def request_steering(
     check_held(resolved, dtype)
     digests = [_digest(entry) for entry in resolved]
     steering = {"prompt_tokens": prompt_length, "specs": resolved, "digests": digests}
-    sets = token_sets(steering)
-    needed = sets.count()
-    if needed > rows_per_request:
-        raise ValueError(
-            f"{WHAT}: these {len(specs)} specs act on {needed} distinct combinations of tokens (prompt, generated, "
-            f"listed positions), each a row of the engine's steering table; the engine holds {rows_per_request} "
-            "per request (SteeredVLLM(..., steering_rows_per_request=N) holds more)"
-        )
-    check_directions(resolved, sets, directions_per_block)
+    check_directions(resolved, token_sets(steering), directions_per_block)
     phases = [entry["positions"] for entry in resolved]
     if decode_only(steering):
         return steering, None
@@ -512,10 +503,6 @@ class TokenSets:
     generated: tuple[int, ...]
     #: On a prompt position some spec lists, by position.
     listed: dict[int, tuple[int, ...]]
-
-    def count(self) -> int:
-        """How many distinct non-empty sets of specs act on some token."""
-        return len({tokens for tokens in (self.prompt, self.generated, *self.listed.values()) if tokens})
 
 
 def token_sets(steering: dict[str, Any]) -> TokenSets:

@@ -1,0 +1,191 @@
+"""The steering pool: what a steered request takes of the engine's steering buffers, and who hands it out.
+
+A request's specs (engine form, `steering.specs.request_steering`) act on sets of its tokens (`TokenSets`: its
+prompt, its generated tokens, listed prompt positions). Each distinct set is a **row**: what those tokens get at
+every block. At one block a row applies the specs that act there, and that content (the added vectors summed, then
+each direction in order) is an **entry** of the pool, named by the digests of those specs: rows and requests that
+apply the same specs at a block, at any block, share one entry. `needs` computes both from the engine form, the
+same way on the client (which refuses a request larger than the pool), in the scheduler and on the worker.
+
+The scheduler hands rows and entries out (`SteeringPool`, held by the engine's scheduler): a waiting request is
+placed before it is scheduled, each of its rows and entries at an id of the pool (content already resident is
+shared, or taken back from the least recently used idle content), and written into its engine form (``PLACED``),
+which reaches the worker with the request; the worker writes the content it does not hold yet (`steering_table`).
+A request whose content does not fit the free room, or would make the step write more new content than the
+engine's pinned staging holds, waits in the queue, as a request waits for KV blocks; once one waits, later
+requests that need new content wait behind it, so none is passed over for good. Ids go back when a request
+finishes; their content stays resident until another needs the room.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from ..steering.specs import EVERYWHERE, token_sets
+
+#: The key of a request's steering (engine form) under which the scheduler writes where its content lies.
+PLACED = "placed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What one request's steering takes of the pool: each of its rows (a tuple of spec digests) with the entry
+    it names at each block it acts at (the last block index, the model's block count, stands for the locations
+    an `Ablate` at every location acts on), each entry's specs in the order they apply, and which row each of
+    its token sets is (``None`` for none)."""
+
+    rows: dict[tuple, dict[int, tuple]]
+    entries: dict[tuple, list[int]]
+    prompt: tuple | None
+    generated: tuple | None
+    listed: dict[int, tuple | None]
+
+
+def applied_order(indices: Any, specs: list[dict[str, Any]], digests: list[str]) -> list[int]:
+    """Spec ``indices`` in the order they apply: added vectors first (by digest: additions commute, so any order
+    names the same content), then each direction in the request's order."""
+    adding = sorted((i for i in indices if specs[i]["kind"] == "add"), key=lambda i: digests[i])
+    return adding + sorted(i for i in indices if specs[i]["kind"] != "add")
+
+
+def needs(steering: dict[str, Any], num_layers: int) -> Needs:
+    """The rows and entries a request's steering (engine form) takes on a model of ``num_layers`` blocks."""
+    specs, digests = steering["specs"], steering["digests"]
+    tokens = token_sets(steering)
+    rows: dict[tuple, dict[int, tuple]] = {}
+    entries: dict[tuple, list[int]] = {}
+
+    def row(indices: tuple[int, ...]) -> tuple | None:
+        if not indices:
+            return None
+        order = applied_order(indices, specs, digests)
+        key = tuple(digests[i] for i in order)
+        if key not in rows:
+            at: dict[int, list[int]] = {}
+            for i in order:
+                layers = specs[i]["layers"]
+                for layer in [num_layers] if layers == EVERYWHERE else layers:
+                    at.setdefault(layer, []).append(i)
+            placed = {}
+            for layer, applied in at.items():
+                entry = tuple(digests[i] for i in applied)
+                entries.setdefault(entry, applied)
+                placed[layer] = entry
+            rows[key] = placed
+        return key
+
+    listed = {position: row(indices) for position, indices in tokens.listed.items()}
+    return Needs(rows, entries, row(tokens.prompt), row(tokens.generated), listed)
+
+
+def key_name(key: tuple) -> str:
+    """A row's or entry's key as one string (the engine form crosses processes as plain data)."""
+    return ",".join(key)
+
+
+class Slots:
+    """Ids ``1..capacity`` of one kind of pool room (rows or entries), each holding one key's content: shared by the
+    requests that use it, idle (resident, used by none, reused least recently used last) or free."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.id_of: dict[tuple, int] = {}
+        self.users: collections.Counter[tuple] = collections.Counter()
+        self.idle: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self.free = list(range(capacity, 0, -1))
+
+    def missing(self, keys: Any) -> list[tuple]:
+        """The ``keys`` whose content is not resident."""
+        return [key for key in keys if key not in self.id_of]
+
+    def room(self, keys: Any) -> int:
+        """How many new contents could be placed for a request using ``keys`` (free ids, and idle ones it does
+        not use itself)."""
+        return len(self.free) + sum(1 for key in self.idle if key not in keys)
+
+    def take(self, keys: Any) -> dict[tuple, int]:
+        """Place ``keys`` (their content resident, or put at a free or least recently used idle id): each key's
+        id. Call only where `room` allows."""
+        placed = {}
+        for key in keys:
+            if key not in self.id_of:
+                if self.free:
+                    number = self.free.pop()
+                else:
+                    evicted = next(iter(self.idle))
+                    del self.idle[evicted]
+                    number = self.id_of.pop(evicted)
+                self.id_of[key] = number
+            self.idle.pop(key, None)
+            self.users[key] += 1
+            placed[key] = self.id_of[key]
+        return placed
+
+    def give_back(self, keys: Any) -> None:
+        """A request using ``keys`` is done: content no request uses any more becomes idle."""
+        for key in keys:
+            self.users[key] -= 1
+            if self.users[key] <= 0:
+                del self.users[key]
+                self.idle[key] = None
+
+
+class SteeringPool:
+    """The scheduler's side of the pool: places each waiting request's rows and entries before it is scheduled,
+    within the room and the writes one step may stage, and takes them back when it finishes."""
+
+    def __init__(self, num_layers: int, rows: int, entries: int, writes_per_step: int) -> None:
+        self.num_layers = num_layers
+        self.rows, self.entries = Slots(rows), Slots(entries)
+        self.writes_per_step = writes_per_step
+        self.held: dict[str, Needs] = {}
+        self.written_this_step = 0
+        self.waiting_for_room = False
+        #: How many times a request was passed over for want of room (a test or benchmark reads it).
+        self.waits = 0
+
+    def new_step(self) -> None:
+        """A step's scheduling begins: its budget of new content is whole again."""
+        self.written_this_step = 0
+        self.waiting_for_room = False
+
+    def admit(self, request_id: str, steering: dict[str, Any] | None) -> bool:
+        """Whether a waiting request (its steering in engine form, or ``None``) may be scheduled now, placing it if
+        it has not been: its engine form then says, under `PLACED`, where each of its rows and entries lies."""
+        if steering is None or request_id in self.held:
+            return True
+        wanted = needs(steering, self.num_layers)
+        new_rows, new_entries = self.rows.missing(wanted.rows), self.entries.missing(wanted.entries)
+        writes = len(new_rows) + len(new_entries)
+        fits = len(new_rows) <= self.rows.room(wanted.rows) and len(new_entries) <= self.entries.room(wanted.entries)
+        staged = self.written_this_step == 0 or self.written_this_step + writes <= self.writes_per_step
+        if writes and (self.waiting_for_room or not fits or not staged):
+            self.waiting_for_room = True
+            self.waits += 1
+            return False
+        rows, entries = self.rows.take(wanted.rows), self.entries.take(wanted.entries)
+        self.written_this_step += writes
+        self.held[request_id] = wanted
+        steering[PLACED] = {
+            "prompt": rows.get(wanted.prompt, 0),
+            "generated": rows.get(wanted.generated, 0),
+            "listed": [[position, rows.get(key, 0)] for position, key in wanted.listed.items()],
+            "rows": [
+                [rows[key], key_name(key), [[layer, entries[entry]] for layer, entry in placed.items()]]
+                for key, placed in wanted.rows.items()
+            ],
+            "entries": [[entries[key], key_name(key), applied] for key, applied in wanted.entries.items()],
+        }
+        return True
+
+    def release(self, request_id: str) -> None:
+        """A request finished (or was aborted): its rows and entries go back to the pool."""
+        wanted = self.held.pop(request_id, None)
+        if wanted is not None:
+            self.rows.give_back(wanted.rows)
+            self.entries.give_back(wanted.entries)
+
+
+__all__ = ["PLACED", "Needs", "Slots", "SteeringPool", "applied_order", "key_name", "needs"]
