@@ -232,8 +232,9 @@ def engines(request):
     # which grows through SmolLM2's 30 blocks.
     tolerance = {"atol": 4e-3, "rtol": 2e-3} if real else {"atol": 1e-4, "rtol": 1e-4}
     vector = torch.randn(on_hf.hidden_size, generator=torch.Generator().manual_seed(7)) * (8 if real else 2)
-    yield SimpleNamespace(name=request.param, path=path, hf=on_hf, vllm=on_vllm, tolerance=tolerance, vector=vector)
-    on_vllm.shutdown()
+    both = SimpleNamespace(name=request.param, path=path, hf=on_hf, vllm=on_vllm, tolerance=tolerance, vector=vector)
+    yield both
+    both.vllm.shutdown()
 
 
 def on_both(engines, experiment, *args, **kwargs):
@@ -342,6 +343,8 @@ def test_a_cache_without_plain_keys_serves_the_prompts_rows_and_says_why_at_late
     and a later step is refused with the reason; the engine serves on."""
     if engines.name != "llama":
         pytest.skip("the KV cache's dtype is the engine's, not a family's: checked once, on llama")
+    # One in-process engine at a time: the module's is shut down first and built afresh after.
+    engines.vllm.shutdown()
     quantized = StandardizedVLLM(engines.path, dtype="float32", kv_cache_dtype="fp8")
     try:
         try:
@@ -354,6 +357,7 @@ def test_a_cache_without_plain_keys_serves_the_prompts_rows_and_says_why_at_late
         assert torch.isfinite(experiment_read_pattern(quantized)).all()
     finally:
         quantized.shutdown()
+        engines.vllm = StandardizedVLLM(engines.path, dtype="float32")
 
 
 def test_writing_the_pattern_or_the_experts_is_refused_on_vllm_before_it_runs(engines):

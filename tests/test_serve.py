@@ -51,6 +51,8 @@ MODEL = "tiny"
 STEPS = 12
 #: Engine arguments of the server and of the in-process engine that computes what it must answer.
 ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 32 * 2**20}
+#: The server's steering pool: room for this many distinct block contents at once.
+POOL_ENTRIES = 8
 GREEDY = {"max_tokens": STEPS, "temperature": 0.0}
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -343,6 +345,8 @@ def served(tmp_path_factory):
     arguments += ["--chat-template", str(directory / "chat.jinja")]
     arguments += ["--sae", *(f"{name}={directory / name}" for name in saes)]
     arguments += ["--api-key", KEY, OTHER_KEY, "--max-steering-vectors", str(CAPACITY)]
+    # A steering pool smaller than the concurrent requests' distinct vectors: they wait for room, none fails.
+    arguments += ["--max-steering-entries", str(POOL_ENTRIES)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     traces = ["--traces", *(str(part) for bound in TRACE_BOUNDS.items() for part in bound)]
     server = Server(arguments + traces, directory / "server.log")
@@ -516,9 +520,9 @@ BAD_STEERING = [
     (["layer 1"], "steering[0]", "a steering spec is an object"),
     (spec(), "steering", "steering must be a list of specs"),
     (
-        [spec(positions=p) for p in ("prompt", "generated", [0])],
+        [spec(positions=[i], vector=[0.1 * (i + 1)] * tiny.SIZES["hidden_size"]) for i in range(POOL_ENTRIES + 1)],
         "steering",
-        "act on 3 distinct combinations",
+        rf"need {POOL_ENTRIES + 1} distinct block contents of the engine's steering pool, which holds {POOL_ENTRIES}",
     ),
 ]
 
