@@ -28,6 +28,10 @@ __all__ = [
     "Capture",
     "Clamp",
     "EngineShutDown",
+    "LogitDiff",
+    "Logprob",
+    "Patch",
+    "Recovered",
     "SAE",
     "StandardizedTransformer",
     "StandardizedVLLM",
@@ -39,6 +43,7 @@ __all__ = [
     "harvest",
     "load_harvest",
     "load_steering",
+    "patch_sweep",
     "sweep",
 ]
 
@@ -52,7 +57,7 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
-    if name in ("Steering", "Cap", "Ablate", "Clamp"):
+    if name in ("Steering", "Cap", "Ablate", "Clamp", "Patch"):
         from .steering import specs
 
         return getattr(specs, name)
@@ -68,6 +73,14 @@ def __getattr__(name: str) -> Any:
         from .steering.sweeps import sweep
 
         return sweep
+    if name in ("LogitDiff", "Logprob", "Recovered"):
+        from .steering import metrics
+
+        return getattr(metrics, name)
+    if name == "patch_sweep":
+        from .steering.patching import patch_sweep
+
+        return patch_sweep
     if name == "Capture":
         from .capture import Capture
 

@@ -1,4 +1,5 @@
-"""Displays: nnterp's logit-lens heatmap of top tokens per layer and prompts as a table; a sweep's scores.
+"""Displays: nnterp's logit-lens heatmap of top tokens per layer and prompts as a table; a sweep's scores; a patching
+sweep's heat map.
 
 Plots are drawn with matplotlib (the ``display`` extra: ``pip install 'nnterp_vllm[display]'``).
 """
@@ -159,6 +160,40 @@ def plot_sweep_scores(
     axes.set_xlabel("factor")
     axes.set_ylabel(f"{column} (mean over prompts)")
     axes.legend(fontsize="small")
+    if file is not None:
+        figure.savefig(file, bbox_inches="tight")
+    return figure
+
+
+def heat_map(
+    values: torch.Tensor,
+    rows: Sequence[str],
+    columns: Sequence[str],
+    label: str,
+    title: str,
+    file: str | Path | None = None,
+) -> Any:
+    """A heat map of ``values`` (``[rows, columns]``), each cell labelled with its value: rows (e.g. layers) from the
+    bottom up, columns (e.g. positions and their tokens) left to right; a diverging colour map centred on zero.
+    Saved to ``file`` where given (its suffix names the format). Returns the matplotlib ``Figure``."""
+    values = values.detach().float().cpu()
+    figure = _figure_class()(figsize=(max(4.0, 0.55 * len(columns) + 2), max(3.0, 0.3 * len(rows) + 1.5)))
+    axes = figure.add_subplot()
+    reach = float(values.abs().max()) or 1.0
+    image = axes.imshow(values, cmap="RdBu_r", vmin=-reach, vmax=reach, aspect="auto", origin="lower")
+    for row in range(values.shape[0]):
+        for column in range(values.shape[1]):
+            dark = abs(float(values[row, column])) > 0.6 * reach
+            color = "white" if dark else "black"
+            axes.text(
+                column, row, f"{float(values[row, column]):.2f}", ha="center", va="center", fontsize=6, color=color
+            )
+    axes.set_xticks(range(len(columns)), list(columns), fontsize=7)
+    axes.set_yticks(range(len(rows)), list(rows), fontsize=7)
+    axes.set_xlabel("position")
+    axes.set_ylabel("layer")
+    axes.set_title(title, fontsize=9)
+    figure.colorbar(image, ax=axes, label=label)
     if file is not None:
         figure.savefig(file, bbox_inches="tight")
     return figure

@@ -510,6 +510,32 @@ class Standardized:
         block = self.layers[sae.layer]
         self._edit_stream("clamp", [(block, type(block).layer_output)], positions, batch_index, clamped)
 
+    def patch(
+        self,
+        layers: LayerSelection,
+        vectors: torch.Tensor | Sequence[Any],
+        positions: Sequence[int],
+        value: str = "layer_output",
+        batch_index: int | Iterable[int] | None = None,
+    ) -> None:
+        """Set ``value`` (``"layer_output"``, ``"attention_output"`` or ``"mlp_output"``) of the blocks ``layers`` to
+        ``vectors`` at the prompt ``positions`` of the ``batch_index`` rows (all by default): ``h' = v`` there.
+        ``vectors`` is one ``[hidden_size]`` vector for every position or ``[len(positions), hidden_size]``, a row per
+        position in the order given (activation patching: rows a clean run saved). What `nnterp_vllm.Patch` does
+        inside the steered engine. Call inside a trace, before the first patched block runs."""
+        from .steering.specs import Patch
+
+        require_trace("patch")
+        spec = Patch(vectors, layers, positions, value)
+        indices = arguments.layer_indices(spec.layers, self.num_layers, "patch")
+        rows = arguments.hidden_vector(spec.rows(), self.hidden_size, "patch")
+        targets = [writable_value(self, f"layers.{index}.{spec.value}", "patch") for index in indices]
+
+        def set_rows(selected: torch.Tensor) -> torch.Tensor:
+            return rows.to(device=selected.device, dtype=selected.dtype).expand_as(selected)
+
+        self._edit_stream("patch", targets, spec.positions, batch_index, set_rows)
+
     def _sae_named(self, sae: Any) -> Any:
         """``sae`` as `clamp` takes it: the held SAE of that name, else as given (a loaded SAE or a directory)."""
         if not isinstance(sae, str):

@@ -125,7 +125,8 @@ def test_steering_lists_that_fit_neither_reading_are_refused_naming_both(engine)
             llm.generate(prompts()[:count], SamplingParams(**GREEDY), steering_list)
         message = str(refused.value)
         assert f"steering is a list of {len(steering_list)} entries for {count} prompt(s)" in message
-        assert f"one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate, Clamp)" in message
+        each = "each None, a Steering (or Cap, Ablate, Clamp, Patch)"
+        assert f"one entry per prompt (a list of {count}, {each}" in message
         assert "a list of specs (of any length) that steers every prompt with all of them" in message
     with pytest.raises(TypeError, match=r"steering\[1\]\[0\] is a str; a request's steering is None, a Steering"):
         llm.generate(prompts()[:2], SamplingParams(**GREEDY), [None, ["x"]])

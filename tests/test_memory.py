@@ -340,15 +340,17 @@ def test_an_accelerators_new_content_goes_through_the_pinned_staging_and_waits_o
     ]
     staging.new_step()
     for entry, spec in enumerate(specs, start=1):
-        content, parameters = entry_content(spec, 16, 2)
-        staging.entry(table, entry, content, parameters)
+        content, parameters, keep = entry_content(spec, 16, 2)
+        staging.entry(table, entry, content, parameters, keep)
     assert staging.device.Event.synchronized == 1  # the seventh write waited for the first six copies
     for entry, spec in enumerate(specs, start=1):
-        content, _ = entry_content(spec, 16, 2)
+        content, _, keep = entry_content(spec, 16, 2)
         torch.testing.assert_close(table.vectors[entry], content)
+        assert float(table.keep[entry]) == keep == 1.0
     staging.new_step()
-    staging.row(table, 5, torch.tensor([1, 2, 0, 3], dtype=torch.int32))
-    assert table.rows[:, 5].tolist() == [1, 2, 0, 3] and staging.device.Event.synchronized == 1
+    placed = torch.arange(table.rows.shape[0], dtype=torch.int32) % 4
+    staging.row(table, 5, placed)
+    assert table.rows[:, 5].tolist() == placed.tolist() and staging.device.Event.synchronized == 1
 
 
 #: Room for four distinct contents, and six directions at one block.

@@ -39,6 +39,7 @@ from nnterp_vllm import (
     Cap,
     Capture,
     Clamp,
+    Patch,
     StandardizedTransformer,
     StandardizedVLLM,
     SteeredVLLM,
@@ -114,6 +115,17 @@ def as_json(specs: list, names: dict[int, str] | None = None) -> list[dict]:
             target = {"value": spec.value} if spec.value is not None else {"scale": spec.scale}
             fields.append(
                 {"kind": "clamp", "sae": spec.sae.name, "feature": spec.feature, **target, "positions": spec.positions}
+            )
+            continue
+        if isinstance(spec, Patch):
+            fields.append(
+                {
+                    "kind": "patch",
+                    "layers": spec.layers,
+                    "vectors": spec.rows().tolist(),
+                    "positions": spec.positions,
+                    "value": spec.value,
+                }
             )
             continue
         field = {"layers": spec.layers, "vector": names.get(i) or spec.vector.tolist(), "positions": spec.positions}
@@ -322,6 +334,13 @@ def served(tmp_path_factory):
                 Steering(0, found["inline"]),
             ],
         ),
+        "patches": (
+            PROMPT,
+            [
+                Patch(torch.stack([found["inline"], -found["posted"]]), layers=1, positions=[2, -1]),
+                Patch(found["preloaded"] * 0.2, layers=[0, 2], positions=[3], value="attention_output"),
+            ],
+        ),
     }
     concurrent = concurrent_cases(found)
     try:
@@ -431,6 +450,22 @@ def test_clamp_entries_equal_the_steered_engine(served):
     assert [field.get("kind", "add") for field in steering] == ["clamp", "clamp", "add"]
     assert completion_tokens(served, steering, False) == served.expected["clamps"]
     assert served.expected["clamps"] != served.expected["plain"]
+
+
+def test_patch_entries_equal_the_steered_engine(served):
+    """A request patching a block's output and what its attention adds, at listed prompt positions, answers as
+    `SteeredVLLM.generate` with the same `Patch`es does; a patch of a value the engine does not set is refused."""
+    _, specs = served.single["patches"]
+    steering = as_json(specs)
+    assert [field["kind"] for field in steering] == ["patch", "patch"]
+    assert completion_tokens(served, steering, False) == served.expected["patches"]
+    assert served.expected["patches"] != served.expected["plain"]
+    response = post(
+        served,
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, **GREEDY, "steering": [{**steering[0], "value": "logits"}]},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "steering[0].value"
 
 
 def test_models_health_and_usage_are_vllms(served):

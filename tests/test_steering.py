@@ -616,12 +616,13 @@ class TestSteeredVLLM:
     def test_ablation_everywhere_on_a_model_that_cannot_write_a_location_is_refused_before_the_engine(self, family):
         model = family.model
         requests = model.request_counter.counter
-        model.ablate_everywhere_reason = "this family cannot write layers.0.mlp_output: it is read-only there"
+        held = dict(model.unwritable)
+        model.unwritable = {**held, "mlp_output": "this family cannot write layers.0.mlp_output: it is read-only there"}
         try:
             with pytest.raises(ValueError, match=r"Ablate: layers='all' .* is not served on this model: this family"):
                 model.generate(SUBJECTS[0], SamplingParams(**GREEDY), Ablate(torch.ones(family.hf.hidden_size)))
         finally:
-            model.ablate_everywhere_reason = None
+            model.unwritable = held
         assert model.request_counter.counter == requests
 
     def test_the_steering_runs_inside_the_compiled_graph(self, family):

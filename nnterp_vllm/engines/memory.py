@@ -9,10 +9,12 @@ quotes the same numbers (`check_room`), and ``nnterp-vllm plan`` prints them wit
 What is sized by what:
 
 - **Steering** (every rank: the residual stream is whole on each): a pool of ``max_steering_entries`` entries,
-  each one block's content of a request's specs (the added vector, then each direction's read and write vectors
-  and its parameters; entry 0 adds and moves nothing), shared by every block and request that needs the same
-  content; a table of steering rows (each a distinct set of specs one request applies to some of its tokens,
-  two per running sequence) naming an entry per block; and each scheduled token's row. On an accelerator, pinned
+  each one location's content of a request's specs (how much of the stream it keeps, the added vector, then each
+  direction's read and write vectors and its parameters; entry 0 keeps the stream and moves nothing), shared by
+  every location and request that needs the same content; a table of steering rows (each a distinct set of specs
+  one request applies to some of its tokens, two per running sequence) naming an entry per location (each block's
+  output, what its attention and its MLP add, the stream entering the first block); and each scheduled token's
+  row. On an accelerator, pinned
   staging for the entries and rows written in one step.
 - **Capture** (the rank that keeps rows, when values are kept): the buffer the compiled graph fills, one
   ``[max_num_batched_tokens, hidden]`` row per kept value; on an accelerator the kept rows are gathered on the
@@ -29,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+
+from .steering_pool import locations
 
 #: A steering direction's parameters (bounds, offset, threshold, scale, TopK feature), float32 each.
 STEERING_PARAMS = 6
@@ -146,11 +150,13 @@ def steering_entry_bytes(hidden_size: int, dtype: torch.dtype, directions_per_bl
 def steering_buffers(sizes: EngineSizes) -> list[Buffer]:
     """The steering buffers of one rank (`EngineSizes`)."""
     entries, directions, hidden = sizes.steering_entries + 1, sizes.directions_per_block, sizes.hidden_size
+    located = locations(sizes.num_layers)
     pool = "max_steering_entries, steering_directions_per_block"
     buffers = [
         Buffer("steering vectors", (entries, 1 + 2 * directions, hidden), sizes.dtype, False, pool),
         Buffer("steering parameters", (entries, directions, STEERING_PARAMS), torch.float32, False, pool),
-        Buffer("steering rows", (sizes.num_layers + 1, sizes.steering_rows + 1), torch.int32, False, "max_num_seqs"),
+        Buffer("steering keep", (entries,), torch.float32, False, pool),
+        Buffer("steering rows", (located, sizes.steering_rows + 1), torch.int32, False, "max_num_seqs"),
         Buffer("steering token rows", (sizes.max_num_batched_tokens,), torch.int64, False, "max_num_batched_tokens"),
     ]
     if sizes.accelerator:
@@ -158,7 +164,8 @@ def steering_buffers(sizes: EngineSizes) -> list[Buffer]:
         buffers += [
             Buffer("steering vectors written", (written, 1 + 2 * directions, hidden), sizes.dtype, True, pool),
             Buffer("steering parameters written", (written, directions, STEERING_PARAMS), torch.float32, True, pool),
-            Buffer("steering rows written", (written, sizes.num_layers + 1), torch.int32, True, "max_num_seqs"),
+            Buffer("steering keep written", (written,), torch.float32, True, pool),
+            Buffer("steering rows written", (written, located), torch.int32, True, "max_num_seqs"),
             Buffer(
                 "steering token rows written",
                 (sizes.max_num_batched_tokens,),

@@ -17,6 +17,7 @@ import torch
 
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
+from .logit_metrics import MetricReader
 from .memory import Ledger, check_room, engine_buffers, sizes_of
 from .sae_encoding import place_saes
 from .steered_settings import CONFIG_KEY, WORKER_CLASSES, held_saes
@@ -25,8 +26,9 @@ from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_oth
 
 
 class SteeringModelRunner:
-    """Mixed in front of vLLM's model runner: installs the steering and capture operations at load, fills the
-    steering table and lays out the kept rows before each step, sends the kept rows out after it."""
+    """Mixed in front of vLLM's model runner: installs the steering and capture operations (and the metrics read from
+    the logits) at load, fills the steering table and lays out the kept rows before each step, sends the kept rows
+    out after it."""
 
     _steerer: Steerer
     _capturer: Capturer
@@ -59,12 +61,14 @@ class SteeringModelRunner:
         topk = {layer: sae for layer, sae in placed.items() if sae.architecture == "topk"}
         self._steerer = Steerer(model, self.vllm_config, self._ledger, topk, encoding)
         self._capturer = Capturer(model, self.vllm_config, names, self._ledger, placed, encoding)
+        self._metrics = MetricReader(model)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         batch = self.input_batch
         self._steerer.fill(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         self._capturer.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+        self._metrics.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         return prepared
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,14 +153,17 @@ def _define_worker_classes() -> None:
 
     def capture_places(self: Any) -> dict[str, Any]:
         capturer = self.model_runner._capturer
-        everywhere = self.model_runner._steerer.everywhere_reason
-        return {"reasons": capturer.reasons, "places": capturer.places, "ablate_everywhere": everywhere}
+        unwritable = self.model_runner._steerer.unwritable
+        return {"reasons": capturer.reasons, "places": capturer.places, "unwritable": unwritable}
 
     def take_captured(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
         return self.model_runner._capturer.take(keys, packed)
 
     def allocated_buffers(self: Any) -> dict[str, Any]:
         return self.model_runner._ledger.held()
+
+    def take_metrics(self: Any, keys: Sequence[str]) -> dict[str, float]:
+        return self.model_runner._metrics.take(keys)
 
     worker_class = type(
         names[1],
@@ -169,6 +176,7 @@ def _define_worker_classes() -> None:
             "capture_places": capture_places,
             "take_captured": take_captured,
             "allocated_buffers": allocated_buffers,
+            "take_metrics": take_metrics,
         },
     )
     publish(globals(), runner_class, worker_class)

@@ -1,13 +1,34 @@
-"""The steered engine's scheduler: vLLM's own, placing each request's steering in the pool before it runs and
-keeping steered generated tokens out of the prefix cache."""
+"""The steered engine's scheduler: vLLM's own, placing each request's steering in the pool before it runs, keying
+its prefix-cache blocks from the first position it steers, and keeping steered generated tokens out of the cache."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..steering.specs import EXTRA_ARGS_KEY, decode_only
+from ..steering.specs import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
 from .memory import sizes_of
 from .steering_pool import SteeringPool
+
+
+def salt_from(request: Any, position: int, salt: str, block_size: int, hash_function: Any) -> None:
+    """Key a request's prefix-cache blocks by ``salt`` from the block holding prompt ``position`` on: the blocks before
+    keep the hashes vLLM gave them (shared with any request whose tokens there are computed alike), that block's
+    hash takes the salt as one more extra key (beside vLLM's own), and every later one chains from it (as vLLM
+    hashes the blocks the request adds as it generates)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+    hashes = request.block_hashes
+    first = position // block_size
+    parent = hashes[first - 1] if first else None
+    media = 0
+    for index in range(first, len(hashes)):
+        start = index * block_size
+        extra, media = generate_block_hash_extra_keys(request, start, start + block_size, media)
+        if index == first:
+            extra = (*(extra or ()), ("nnterp_vllm_steering", salt))
+        parent = hashes[index] = hash_block_tokens(
+            hash_function, parent, request.all_token_ids[start : start + block_size], extra
+        )
 
 
 def request_steering_of(request: Any) -> dict[str, Any] | None:
@@ -24,6 +45,10 @@ class PromptCachingScheduler:
     A waiting request is scheduled only once its steering is placed in the pool: until its rows and entries fit,
     it is passed over as vLLM passes over a request whose grammar is not compiled yet, and its turn comes back at
     the next step. Its ids go back as vLLM frees the request.
+
+    A request steered at listed prompt positions only, the first ``p``, has its prompt's prefix-cache blocks salted
+    from the block holding ``p`` on (`salt_from`), where vLLM's own cache salt would key them all: the blocks
+    before ``p`` are computed as an unsteered request's and shared with it.
 
     A request steered at generated tokens only is not salted (`steering.specs.request_steering`): its prompt is
     computed as an unsteered one's and shared. The KV of its generated tokens is steered, though, and vLLM caches
@@ -55,6 +80,20 @@ class PromptCachingScheduler:
         scheduler.schedule, scheduler._free_request = schedule_placing, free_and_release
         scheduler._handle_blocked_waiting_request = ready_and_placed
         scheduler.steering_pool = pool
+
+        if vllm_config.cache_config.enable_prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+
+            hash_function = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+            add_request = scheduler.add_request
+
+            def add_salted(request: Any) -> None:
+                steering = request_steering_of(request)
+                if steering is not None and SALTED_FROM in steering and request.block_hashes:
+                    salt_from(request, *steering[SALTED_FROM], scheduler.hash_block_size, hash_function)
+                add_request(request)
+
+            scheduler.add_request = add_salted
 
         coordinator = scheduler.kv_cache_manager.coordinator
         cache_blocks = coordinator.cache_blocks

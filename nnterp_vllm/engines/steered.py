@@ -22,12 +22,16 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
+from ..steering import metrics as metric_specs
+from ..steering.metrics import EXTRA_ARGS_KEY as METRIC_KEY
+from ..steering.metrics import metric_wire
 from ..steering.saes import SAE
 from ..steering.specs import (
     DIRECTIONS_PER_BLOCK,
     EVERYWHERE,
     EXTRA_ARGS_KEY,
     Clamp,
+    Patch,
     Steering,
     per_prompt,
     request_steering,
@@ -56,10 +60,14 @@ class SteeringClient:
     request; the kept rows taken back from the engine."""
 
     vllm_config: Any
-    #: Why an `Ablate` at every residual-stream location is not served on this engine's model, or ``None``: until
-    #: the engine has said where it can act (`SteeredVLLM` asks as it starts, `AsyncSteeredVLLM` in
-    #: ``check_capture_values``), it is refused, never silently left out.
-    ablate_everywhere_reason: str | None = "the engine has not yet said where it can act: call check_capture_values()"
+    #: Why a value other than the blocks' ``layer_output`` (what each attention and MLP adds, the stream entering the
+    #: first block) cannot be steered on this engine's model, by value, or ``None`` where it can: until the engine
+    #: has said where it can act (`SteeredVLLM` asks as it starts, `AsyncSteeredVLLM` in ``check_capture_values``),
+    #: specs acting there are refused, never silently left out.
+    unwritable: dict[str, str | None] = dict.fromkeys(
+        ("attention_output", "mlp_output", "layer_input"),
+        "the engine has not yet said where it can act: call check_capture_values()",
+    )
 
     @property
     def num_layers(self) -> int:
@@ -111,12 +119,7 @@ class SteeringClient:
         prefix cache reads none of it. With neither, prompt and params come back as they are.
         """
         length = _prompt_length(engine_input)
-        everywhere = next((spec for spec in specs if spec.layers == EVERYWHERE), None)
-        if everywhere is not None and self.ablate_everywhere_reason is not None:
-            raise ValueError(
-                f"{everywhere.what}: layers={EVERYWHERE!r} (every residual-stream location) is not served on this "
-                f"model: {self.ablate_everywhere_reason}; name the blocks whose output it acts on instead"
-            )
+        self._check_locations(specs)
         self._check_held(specs)
         made = request_steering(
             specs,
@@ -165,6 +168,15 @@ class SteeringClient:
         (two per sequence the engine runs at once: ``max_num_seqs``)."""
         return STEERING_ROWS_PER_SEQUENCE * self.vllm_config.scheduler_config.max_num_seqs
 
+    def metric_wires(self, metric: Any, count: int) -> list[dict[str, Any] | None]:
+        """``metric`` as ``generate`` takes it for ``count`` prompts, each in engine form (`metric_wire`), its tokens
+        checked against the vocabulary; ``ValueError`` naming what is wrong."""
+        tokenizer, vocab = self.get_tokenizer(), self.vllm_config.model_config.get_vocab_size()
+        return [
+            None if one is None else metric_wire(one, tokenizer, vocab)
+            for one in metric_specs.per_prompt(metric, count)
+        ]
+
     def _check_pool(self, steering: dict[str, Any], count: int) -> None:
         """Refuse a request whose steering (engine form) needs more of the pool than the engine holds at all: it
         would wait forever. One that fits the pool but not its free room waits in the scheduler."""
@@ -177,6 +189,24 @@ class SteeringClient:
                 raise ValueError(
                     f"Steering: these {count} specs need {held_count} {what} of the engine's steering pool, which "
                     f"holds {room}; build the engine with {setting} larger, or split the request"
+                )
+
+    def _check_locations(self, specs: Sequence[Any]) -> None:
+        """Refuse a spec acting at a value this engine's model cannot steer (`unwritable`): an `Ablate` at every
+        residual-stream location, a `Patch` of what a block's attention or MLP adds."""
+        for spec in specs:
+            if spec.layers == EVERYWHERE:
+                reason = next((why for why in self.unwritable.values() if why is not None), None)
+                if reason is not None:
+                    raise ValueError(
+                        f"{spec.what}: layers={EVERYWHERE!r} (every residual-stream location) is not served on this "
+                        f"model: {reason}; name the blocks whose output it acts on instead"
+                    )
+            value = getattr(spec, "value", "layer_output")
+            if isinstance(spec, Patch) and value != "layer_output" and self.unwritable[value] is not None:
+                raise ValueError(
+                    f"Patch: value={value!r} is not served on this model: {self.unwritable[value]}; patch the "
+                    "blocks' layer_output instead"
                 )
 
     def _check_held(self, specs: Sequence[Any]) -> None:
@@ -199,12 +229,19 @@ class SteeringClient:
             reasons = "; ".join(f"{name}: {reason}" for name, reason in places["reasons"].items())
             raise ValueError(f"capture_values: this model's family cannot keep {reasons}")
         self.capture_places = places["places"]
-        self.ablate_everywhere_reason = places["ablate_everywhere"]
+        self.unwritable = places["unwritable"]
 
 
 def merged(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The workers' answers to ``take_captured`` as one (only the first tensor-parallel rank keeps rows)."""
     return {key: found for answer in per_worker for key, found in answer.items()}
+
+
+def with_extra(params: SamplingParams, key: str, value: Any) -> SamplingParams:
+    """A copy of ``params`` whose ``extra_args`` also carry ``value`` under ``key``."""
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), key: value}
+    return params
 
 
 def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
@@ -290,13 +327,15 @@ class SteeredVLLM(SteeringClient, LLM):
         steering: Any = None,
         *,
         capture: Any = None,
+        metric: Any = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
         priority: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``generate``, each prompt steered by its specs and keeping what its capture says; returns vLLM's
-        ``RequestOutput``s in order, each capturing one with ``activations`` (`attach_activations`).
+        ``RequestOutput``s in order, each capturing one with ``activations`` (`attach_activations`), each measuring
+        one with ``metric`` (a float).
 
         Args:
             prompts: As for ``vllm.LLM.generate``: one or a list (text, token ids, ...).
@@ -305,9 +344,15 @@ class SteeredVLLM(SteeringClient, LLM):
                 prompts, one entry per prompt (``None`` for an unsteered one).
             capture: ``None``, one `Capture` for every prompt, or a list with one entry (a `Capture` or
                 ``None``) per prompt. A value kept at a steered block's output is the steered stream.
+            metric: ``None``, one metric (`steering.metrics`: ``LogitDiff``, ``Logprob``) for every prompt, or a
+                list with one entry per prompt: read in the engine's worker from the logits of the prompt's last
+                position, the output's ``metric`` (``None`` where none was asked).
 
         Every spec is checked against the model and its prompt before any request reaches the engine.
         """
+        from vllm.renderers.inputs.preprocess import prompt_to_seq
+
+        measured = self.metric_wires(metric, len(prompt_to_seq(prompts)))
         wires = [
             wire
             for _, wire in self.submit(
@@ -315,18 +360,22 @@ class SteeredVLLM(SteeringClient, LLM):
                 sampling_params,
                 steering,
                 capture=capture,
+                metrics=measured,
                 lora_request=lora_request,
                 priority=priority,
                 tokenization_kwargs=tokenization_kwargs,
             )
         ]
         keys = [wire["key"] for wire in wires if wire is not None]
+        metric_keys = [wire["key"] for wire in measured if wire is not None]
         try:
             outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
         finally:
             taken = self.take_captured(keys) if keys else {}
-        for output, wire in zip(outputs, wires):
+            values = self.take_metrics(metric_keys) if metric_keys else {}
+        for output, wire, measure in zip(outputs, wires, measured):
             attach_activations(output, wire, taken)
+            output.metric = None if measure is None else values.get(measure["key"])
         return outputs
 
     def submit(
@@ -340,12 +389,14 @@ class SteeredVLLM(SteeringClient, LLM):
         priority: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
         destinations: Sequence[dict[str, Any] | None] | None = None,
+        metrics: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[tuple[str, dict[str, Any] | None]]:
         """Check and add requests as `generate` does, without running the engine: each prompt's request id (as its
         ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order.
         ``llm_engine.step()`` runs them; `take_captured` takes their rows. ``destinations`` (one per prompt,
         `shared_rows.SharedRows.destination`) has the engine keep a capturing request's rows in shared memory the
-        caller made."""
+        caller made; ``metrics`` (one per prompt, `metric_wires`) has it read a metric of each, which
+        `take_metrics` takes."""
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         prompts = prompt_to_seq(prompts)
@@ -356,6 +407,10 @@ class SteeredVLLM(SteeringClient, LLM):
         kept = capture_specs.per_prompt(capture, len(prompts))
         rendered = self._preprocess_cmpl(prompts, tokenization_kwargs)
         requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept)]
+        for index, measure in enumerate(metrics or ()):
+            if measure is not None:
+                engine_input, request_params, wire = requests[index]
+                requests[index] = (engine_input, with_extra(request_params, METRIC_KEY, measure), wire)
         wires = [wire for _, _, wire in requests]
         for wire, destination in zip(wires, destinations or ()):
             if wire is not None and destination is not None:
@@ -379,6 +434,15 @@ class SteeredVLLM(SteeringClient, LLM):
         client = self.llm_engine.engine_core
         here = isinstance(client, InprocClient) and isinstance(client.engine_core.model_executor, UniProcExecutor)
         return merged(self.collective_rpc("take_captured", args=(list(keys), not here)))
+
+    def take_metrics(self, keys: Sequence[str]) -> dict[str, float]:
+        """The metrics the engine read for the requests carrying metric ``keys`` (`metric_wires`), handed over and
+        forgotten there."""
+        return {
+            key: value
+            for answer in self.collective_rpc("take_metrics", args=(list(keys),))
+            for key, value in answer.items()
+        }
 
     def capture_stats(self) -> list[dict[str, Any]]:
         """Per worker: eager runs of the capture hooks, rows kept, requests whose rows it holds."""

@@ -2,10 +2,12 @@
 
 A request's specs (engine form, `steering.specs.request_steering`) act on sets of its tokens (`TokenSets`: its
 prompt, its generated tokens, listed prompt positions). Each distinct set is a **row**: what those tokens get at
-every block. At one block a row applies the specs that act there, and that content (the added vectors summed, then
-each direction in order) is an **entry** of the pool, named by the digests of those specs: rows and requests that
-apply the same specs at a block, at any block, share one entry. `needs` computes both from the engine form, the
-same way on the client (which refuses a request larger than the pool), in the scheduler and on the worker.
+every location (`location`: each block's ``layer_output``, what its attention and its MLP add, the stream entering
+the first block). At one location a row applies the specs that act there, and that content (a patch's vector, the
+added vectors summed, then each direction in order) is an **entry** of the pool, named by the digests of those
+specs: rows and requests that apply the same specs at a location, at any location, share one entry. `needs` computes
+both from the engine form, the same way on the client (which refuses a request larger than the pool), in the
+scheduler and on the worker.
 
 The scheduler hands rows and entries out (`SteeringPool`, held by the engine's scheduler): a waiting request is
 placed before it is scheduled, each of its rows and entries at an id of the pool (content already resident is
@@ -27,14 +29,37 @@ from ..steering.specs import EVERYWHERE, token_sets
 
 #: The key of a request's steering (engine form) under which the scheduler writes where its content lies.
 PLACED = "placed"
+#: The values a spec acts at, each a run of ``num_layers`` locations (one per block), in this order; then one more
+#: location, the stream entering the first block.
+LOCATED_VALUES = ("layer_output", "attention_output", "mlp_output")
+
+
+def locations(num_layers: int) -> int:
+    """How many locations the pool's rows name an entry at, on a model of ``num_layers`` blocks."""
+    return len(LOCATED_VALUES) * num_layers + 1
+
+
+def location(value: str, layer: int, num_layers: int) -> int:
+    """The location of block ``layer``'s ``value`` (`LOCATED_VALUES`; ``"layer_input"`` of block 0 is the last)."""
+    if value == "layer_input":
+        return locations(num_layers) - 1
+    return LOCATED_VALUES.index(value) * num_layers + layer
+
+
+def spec_locations(spec: dict[str, Any], num_layers: int) -> list[int]:
+    """Where a spec in engine form acts: its value (``layer_output`` unless it names another) of each of its blocks;
+    an `Ablate` at every location, every attention's and MLP's output and the stream entering the first block."""
+    if spec["layers"] == EVERYWHERE:
+        everywhere = [location(value, i, num_layers) for value in LOCATED_VALUES[1:] for i in range(num_layers)]
+        return [*everywhere, location("layer_input", 0, num_layers)]
+    return [location(spec.get("value", "layer_output"), layer, num_layers) for layer in spec["layers"]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Needs:
     """What one request's steering takes of the pool: each of its rows (a tuple of spec digests) with the entry
-    it names at each block it acts at (the last block index, the model's block count, stands for the locations
-    an `Ablate` at every location acts on), each entry's specs in the order they apply, and which row each of
-    its token sets is (``None`` for none)."""
+    it names at each location it acts at (`location`), each entry's specs in the order they apply, and which row
+    each of its token sets is (``None`` for none)."""
 
     rows: dict[tuple, dict[int, tuple]]
     entries: dict[tuple, list[int]]
@@ -44,10 +69,10 @@ class Needs:
 
 
 def applied_order(indices: Any, specs: list[dict[str, Any]], digests: list[str]) -> list[int]:
-    """Spec ``indices`` in the order they apply: added vectors first (by digest: additions commute, so any order
-    names the same content), then each direction in the request's order."""
-    adding = sorted((i for i in indices if specs[i]["kind"] == "add"), key=lambda i: digests[i])
-    return adding + sorted(i for i in indices if specs[i]["kind"] != "add")
+    """Spec ``indices`` in the order they apply: patches and added vectors first (by digest: setting and adding
+    commute, so any order names the same content), then each direction in the request's order."""
+    adding = sorted((i for i in indices if specs[i]["kind"] in ("add", "patch")), key=lambda i: digests[i])
+    return adding + sorted(i for i in indices if specs[i]["kind"] not in ("add", "patch"))
 
 
 def needs(steering: dict[str, Any], num_layers: int) -> Needs:
@@ -65,9 +90,8 @@ def needs(steering: dict[str, Any], num_layers: int) -> Needs:
         if key not in rows:
             at: dict[int, list[int]] = {}
             for i in order:
-                layers = specs[i]["layers"]
-                for layer in [num_layers] if layers == EVERYWHERE else layers:
-                    at.setdefault(layer, []).append(i)
+                for place in spec_locations(specs[i], num_layers):
+                    at.setdefault(place, []).append(i)
             placed = {}
             for layer, applied in at.items():
                 entry = tuple(digests[i] for i in applied)
@@ -188,4 +212,16 @@ class SteeringPool:
             self.entries.give_back(wanted.entries)
 
 
-__all__ = ["PLACED", "Needs", "Slots", "SteeringPool", "applied_order", "key_name", "needs"]
+__all__ = [
+    "LOCATED_VALUES",
+    "PLACED",
+    "Needs",
+    "Slots",
+    "SteeringPool",
+    "applied_order",
+    "key_name",
+    "location",
+    "locations",
+    "needs",
+    "spec_locations",
+]

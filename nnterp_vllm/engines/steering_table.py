@@ -1,18 +1,19 @@
-"""The steering operation of the steered engine, on its worker: one static operation at every standardized block.
+"""The steering operation of the steered engine, on its worker: one static operation at every location it acts at.
 
-At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so
-exactly where `Standardized.steer` adds) a forward hook looks up each token's entry of the steering pool
-(`steering_pool`): ``entry = rows[block, token_rows[token]]``, then adds ``vectors[entry, 0]`` and, for each of
-the entry's direction slots in turn (`DIRECTIONS_PER_BLOCK` unless the engine is built with another number),
-moves the stream's activation along the slot's read direction to its target along its write direction
-(`steering.specs.feature_change`, with the slot's ``parameters``: bounds, offset, threshold, scale, and for a TopK
-SAE's feature its index). Adding, ablating, capping and clamping an SAE feature are the one operation: an entry
-that only adds holds zero directions, a cap reads and writes its unit direction with no threshold, an ablation is
-a cap to ``[0, 0]``, a clamp reads the feature's encoder column (its offset and threshold the bias and the
-activation's) and writes its decoder row. Entry 0 adds and moves nothing (zero directions write nothing); row 0
-names entry 0 at every block. The last block index (``layers``) names the entries of the directions ablated at
-every residual-stream location (`steering.specs.EVERYWHERE_VALUES`: the stream entering the first block, each
-attention's and MLP's output), where the same operation runs from hooks of their own.
+At every standardized block's ``layer_output`` (located through the model's family in ``families/vllm/``, so exactly
+where `Standardized.steer` adds), and at each location of what its attention and its MLP add and of the stream
+entering the first block, a forward hook looks up each token's entry of the steering pool (`steering_pool`): ``entry
+= rows[location, token_rows[token]]``, then keeps ``keep[entry]`` of the stream (1, or 0 where a `Patch` sets it)
+and adds ``vectors[entry, 0]`` and, for each of the entry's direction slots in turn (`DIRECTIONS_PER_BLOCK` unless
+the engine is built with another number), moves the stream's activation along the slot's read direction to its
+target along its write direction (`steering.specs.feature_change`, with the slot's ``parameters``: bounds, offset,
+threshold, scale, and for a TopK SAE's feature its index). Adding, ablating, capping and clamping an SAE feature are
+the one operation: an entry that only adds holds zero directions, a cap reads and writes its unit direction with no
+threshold, an ablation is a cap to ``[0, 0]``, a clamp reads the feature's encoder column (its offset and threshold
+the bias and the activation's) and writes its decoder row; a patch keeps none of the stream and adds its vector.
+Entry 0 keeps the stream and moves nothing (zero directions write nothing); row 0 names entry 0 at every location.
+An `Ablate` at every residual-stream location (`steering.specs.EVERYWHERE_VALUES`) is its directions at each
+attention's and MLP's output and at the stream entering the first block.
 
 The buffers come from the memory model (`memory`), allocated once as the model loads (before vLLM profiles memory
 and compiles the model), and are only ever written in place before each step: the content of entries and rows the
@@ -39,11 +40,11 @@ from ..components import vllm as on_vllm
 from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
-from ..steering.specs import EVERYWHERE, EVERYWHERE_VALUES, EXTRA_ARGS_KEY, feature_change
+from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, feature_change
 from .capture import count_eager_run, locate
 from .memory import STEERING_PARAMS, Ledger
 from .sae_encoding import DeviceSAE
-from .steering_pool import PLACED
+from .steering_pool import PLACED, location
 
 #: A direction slot's parameters, in ``params``' last axis.
 LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(STEERING_PARAMS)
@@ -51,6 +52,7 @@ LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(STEERING_PARAMS)
 TABLE_BUFFERS = {
     "vectors": "steering vectors",
     "params": "steering parameters",
+    "keep": "steering keep",
     "rows": "steering rows",
     "token_rows": "steering token rows",
 }
@@ -59,8 +61,9 @@ TABLE_BUFFERS = {
 class SteeringTable(torch.nn.Module):
     """The steering buffers (the memory model's ``steering ...``, `TABLE_BUFFERS`): ``vectors [entries, 1 + 2 *
     directions, hidden]`` (each entry's added vector, then its directions' read and write vectors), ``params
-    [entries, directions, PARAMS]``, ``rows [blocks + 1, rows]`` (each row's entry at each block) and
-    ``token_rows`` (each scheduled token's row); and the TopK SAEs the engine holds, by block.
+    [entries, directions, PARAMS]``, ``keep [entries]`` (how much of the stream each entry keeps), ``rows
+    [locations, rows]`` (each row's entry at each location) and ``token_rows`` (each scheduled token's row); and the
+    TopK SAEs the engine holds, by block.
 
     Registered on every steered block (non-persistent buffers: no weight file names them), so the compiled graph
     reads them as inputs at stable module paths; they are only ever written in place.
@@ -69,7 +72,7 @@ class SteeringTable(torch.nn.Module):
     def __init__(self, ledger: Ledger, topk: dict[int, DeviceSAE], encoding: torch.Tensor | None) -> None:
         super().__init__()
         for name, buffer in TABLE_BUFFERS.items():
-            self.register_buffer(name, ledger.allocate(buffer), False)
+            self.register_buffer(name, ledger.allocate(buffer, fill=1.0 if name == "keep" else 0.0), False)
         neutral_parameters(self.params)
         self.topk = topk
         self.encoding = encoding
@@ -77,27 +80,25 @@ class SteeringTable(torch.nn.Module):
         self.eager_calls = 0
 
     @property
-    def everywhere(self) -> int:
-        """The block index of the directions ablated at every residual-stream location."""
-        return self.rows.shape[0] - 1
-
-    @property
     def directions(self) -> int:
         """Direction slots per entry."""
         return self.params.shape[1]
 
-    def steered(self, layer: int, stream: torch.Tensor) -> torch.Tensor:
-        """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at block ``layer`` (each
-        token's entry's vector, then each of its directions in turn); pure tensor code."""
-        entry = self.rows[layer].index_select(0, self.token_rows[: stream.shape[-2]])
+    def steered(self, location: int, stream: torch.Tensor) -> torch.Tensor:
+        """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at ``location`` (for each
+        token, what its entry does not keep of the stream taken off, its vector added, then each of its directions in
+        turn); pure tensor code."""
+        entry = self.rows[location].index_select(0, self.token_rows[: stream.shape[-2]])
         slots = self.vectors.index_select(0, entry)
         held = self.params.index_select(0, entry)
-        delta = slots[:, 0]
+        dropped = (self.keep.index_select(0, entry) - 1.0)[:, None].to(stream.dtype)
+        base = slots[:, 0] + dropped * stream
+        delta = base
         for slot in range(self.directions):
             delta = delta + self._change(stream + delta, slots, held, slot)
-        sae = self.topk.get(layer)
+        sae = self.topk.get(location)
         if sae is not None and not torch.compiler.is_compiling():  # a TopK step runs eagerly (`Steerer.eager`)
-            delta = self._with_topk(sae, stream, slots, held, delta)
+            delta = self._with_topk(sae, stream, slots, held, base, delta)
         return delta
 
     @staticmethod
@@ -117,9 +118,16 @@ class SteeringTable(torch.nn.Module):
         )
 
     def _with_topk(
-        self, sae: DeviceSAE, stream: torch.Tensor, slots: torch.Tensor, held: torch.Tensor, delta: torch.Tensor
+        self,
+        sae: DeviceSAE,
+        stream: torch.Tensor,
+        slots: torch.Tensor,
+        held: torch.Tensor,
+        base: torch.Tensor,
+        delta: torch.Tensor,
     ) -> torch.Tensor:
-        """``delta`` with the tokens whose entry clamps a feature of ``sae`` done again, exactly: their features
+        """``delta`` (``base``: what it was before the directions) with the tokens whose entry clamps a feature of
+        ``sae`` done again, exactly: their features
         encoded once (in parts, into the engine's encoding buffer), kept current through each slot's change (a
         change along ``w`` moves the pre-activations by ``(w @ W_enc) * norms``), each TopK slot's activation its
         feature's pre-activation where that is among the ``k`` largest."""
@@ -127,13 +135,14 @@ class SteeringTable(torch.nn.Module):
         tokens = named.any(-1).nonzero().flatten()
         if not len(tokens):
             return delta
-        flat = stream.reshape(-1, stream.shape[-1])
-        delta = delta.clone()
+        width = stream.shape[-1]
+        flat, base = stream.reshape(-1, width), base.reshape(-1, width)
+        exact_delta = delta.reshape(-1, width).clone()
         part = max(1, self.encoding.numel() // sae.d_sae)
         for start in range(0, len(tokens), part):
             chosen = tokens[start : start + part]
             slots_of, held_of = slots[chosen], held[chosen]
-            added = slots_of[:, 0]
+            added = base[chosen]  # what the entry keeps and adds, before its directions
             out = self.encoding.view(-1)[: len(chosen) * sae.d_sae].view(len(chosen), sae.d_sae)
             pre = sae.pre_activation(flat[chosen] + added, out)
             change = added
@@ -152,8 +161,8 @@ class SteeringTable(torch.nn.Module):
                 step = torch.where((feature >= 0)[:, None], exact, own)
                 change = change + step
                 pre += (step.float() @ sae.W_enc) * sae.decoder_norms
-            delta[chosen] = change.to(delta.dtype)
-        return delta
+            exact_delta[chosen] = change.to(delta.dtype)
+        return exact_delta.reshape(delta.shape)
 
 
 def neutral_parameters(parameters: torch.Tensor) -> torch.Tensor:
@@ -164,17 +173,22 @@ def neutral_parameters(parameters: torch.Tensor) -> torch.Tensor:
     return parameters
 
 
-def entry_content(specs: Sequence[dict[str, Any]], hidden: int, directions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One entry's content from the specs (engine form) it applies, in order: ``[1 + 2 * directions, hidden]`` (the
-    summed added vectors, then each cap's or clamp's read and write vectors in the next slot) and ``[directions,
-    PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left out)."""
+def entry_content(
+    specs: Sequence[dict[str, Any]], hidden: int, directions: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One entry's content from the specs (engine form) it applies, in order: ``[1 + 2 * directions, hidden]`` (a
+    patch's vector and the added vectors, summed, then each cap's or clamp's read and write vectors in the next
+    slot), ``[directions, PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left out), and how much of the
+    stream it keeps (0 where a patch sets it, else 1)."""
     content = torch.zeros(1 + 2 * directions, hidden, dtype=torch.float32)
     parameters = neutral_parameters(torch.empty(directions, STEERING_PARAMS))
+    keep = 1.0
     slot = 0
     for spec in specs:
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
-        if spec["kind"] == "add":
-            content[0] += spec["factor"] * vector
+        if spec["kind"] in ("add", "patch"):
+            content[0] += spec.get("factor", 1.0) * vector
+            keep = 0.0 if spec["kind"] == "patch" else keep
             continue
         content[1 + 2 * slot] = vector
         content[2 + 2 * slot] = torch.tensor(spec["write"]) if "write" in spec else vector
@@ -185,26 +199,27 @@ def entry_content(specs: Sequence[dict[str, Any]], hidden: int, directions: int)
             held[OFFSET], held[THRESHOLD], held[SCALE] = spec["offset"], spec["threshold"], spec["scale"]
             held[TOPK_FEATURE] = spec["topk"]["feature"] if spec["topk"] else -1
         slot += 1
-    return content, parameters
+    return content, parameters, keep
 
 
-def ablate_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
-    """Forward hook where a value `steering.specs.EVERYWHERE_VALUES` names is a module's output: its directions
-    ablated everywhere taken out."""
-    return _ablated_everywhere(module, module.nnterp_everywhere_outputs, output)
+def steer_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook where a location of the pool (what a block's attention or MLP adds) is a module's output: the
+    tokens' entries applied there."""
+    return _steered_at(module, module.nnterp_steered_outputs, output)
 
 
-def ablate_at_input(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-    """Forward pre-hook (with kwargs) where such a value is a module's input."""
-    return _ablated_everywhere(module, module.nnterp_everywhere_inputs, (args, kwargs))
+def steer_at_input(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    """Forward pre-hook (with kwargs) where such a location (the stream entering the first block) is a module's
+    input."""
+    return _steered_at(module, module.nnterp_steered_inputs, (args, kwargs))
 
 
-def _ablated_everywhere(module: torch.nn.Module, places: Sequence[Located], raw: Any) -> Any:
+def _steered_at(module: torch.nn.Module, places: Sequence[tuple[int, Located]], raw: Any) -> Any:
     steering = module.nnterp_steering
     count_eager_run(steering)
-    for place in places:
+    for at, place in places:
         part = place.part(raw)
-        raw = place.replaced(raw, part + steering.steered(steering.everywhere, part))
+        raw = place.replaced(raw, part + steering.steered(at, part))
     return raw
 
 
@@ -282,8 +297,8 @@ class Steerer:
             block.register_forward_hook(steer_block)
         self.num_layers, self.hidden = len(blocks), model_config.get_hidden_size()
         self.directions = self.buffers.directions
-        #: Why an `Ablate` at every residual-stream location cannot be served on this model, or ``None``.
-        self.everywhere_reason = self._hook_everywhere(model, model_type)
+        #: Why a value other than ``layer_output`` cannot be steered on this model, by value (``None``: it can).
+        self.unwritable = self._hook_locations(model, model_type)
         # On an accelerator the token rows and each new entry's and row's content are written into pinned host
         # memory (the memory model's "... written" buffers) and copied over without blocking, on the compute
         # stream, before the step's forward. `fill` runs inside vLLM's input preparation, which (under async
@@ -305,27 +320,42 @@ class Steerer:
         #: Whether the step being prepared must run eagerly (a token in it clamps a TopK SAE's feature).
         self.eager = False
 
-    def _hook_everywhere(self, model: torch.nn.Module, model_type: str) -> str | None:
-        """Hook every location of `steering.specs.EVERYWHERE_VALUES` (located through the family, as capture locates
-        values); where one cannot be written, hook none and say why."""
-        names = [name.replace("*", str(i)) for name in EVERYWHERE_VALUES for i in range(self.num_layers)]
-        found = locate(model, model_type, list(dict.fromkeys(names)))
-        for name, place in found.items():
-            if isinstance(place, str) or place.replaced is None:
-                why = place if isinstance(place, str) else "it is read-only there"
-                return f"this family cannot write {name}: {why}"
-        for place in found.values():
-            module = model.get_submodule(place.module)
-            module.nnterp_steering = self.buffers
-            kind = "outputs" if place.attribute == "output" else "inputs"
-            if not hasattr(module, f"nnterp_everywhere_{kind}"):
-                setattr(module, f"nnterp_everywhere_{kind}", [])
-                if kind == "outputs":
-                    module.register_forward_hook(ablate_at_output)
-                else:
-                    module.register_forward_pre_hook(ablate_at_input, with_kwargs=True)
-            getattr(module, f"nnterp_everywhere_{kind}").append(place)
-        return None
+    def _hook_locations(self, model: torch.nn.Module, model_type: str) -> dict[str, str | None]:
+        """Hook the pool's locations beside the blocks' outputs (what each attention and MLP adds, the stream entering
+        the first block: `steering_pool.location`), located through the family as capture locates values. A value
+        the family cannot write at some block is hooked at none: its reason, by value."""
+        reasons: dict[str, str | None] = {}
+        for value, layers in (
+            ("attention_output", self.num_layers),
+            ("mlp_output", self.num_layers),
+            ("layer_input", 1),
+        ):
+            names = {f"layers.{i}.{value}": location(value, i, self.num_layers) for i in range(layers)}
+            found = locate(model, model_type, list(names))
+            reasons[value] = next(
+                (
+                    f"this family cannot write {name}: {place if isinstance(place, str) else 'it is read-only there'}"
+                    for name, place in found.items()
+                    if isinstance(place, str) or place.replaced is None
+                ),
+                None,
+            )
+            if reasons[value] is None:
+                for name, place in found.items():
+                    self._hook(model.get_submodule(place.module), names[name], place)
+        return reasons
+
+    def _hook(self, module: torch.nn.Module, at: int, place: Located) -> None:
+        """Apply location ``at``'s entries where ``place`` (a module's output or input) is."""
+        module.nnterp_steering = self.buffers
+        kind = "outputs" if place.attribute == "output" else "inputs"
+        if not hasattr(module, f"nnterp_steered_{kind}"):
+            setattr(module, f"nnterp_steered_{kind}", [])
+            if kind == "outputs":
+                module.register_forward_hook(steer_at_output)
+            else:
+                module.register_forward_pre_hook(steer_at_input, with_kwargs=True)
+        getattr(module, f"nnterp_steered_{kind}").append((at, place))
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -361,16 +391,17 @@ class Steerer:
         return rows
 
     def _write_entry(self, entry: int, specs: list[dict[str, Any]]) -> None:
-        content, parameters = entry_content(specs, self.hidden, self.directions)
+        content, parameters, keep = entry_content(specs, self.hidden, self.directions)
         if self.staged is None:
             self.buffers.vectors[entry].copy_(content)
             self.buffers.params[entry].copy_(parameters)
+            self.buffers.keep[entry] = keep
         else:
-            self.staged.entry(self.buffers, entry, content, parameters)
+            self.staged.entry(self.buffers, entry, content, parameters, keep)
         self.entry_writes += 1
 
     def _write_row(self, row: int, at: list[list[int]]) -> None:
-        content = torch.zeros(self.num_layers + 1, dtype=torch.int32)
+        content = torch.zeros(self.buffers.rows.shape[0], dtype=torch.int32)
         for layer, entry in at:
             content[layer] = entry
         if self.staged is None:
@@ -464,6 +495,7 @@ class Staging:
     def __init__(self, ledger: Ledger) -> None:
         self.vectors = ledger.allocate("steering vectors written")
         self.parameters = ledger.allocate("steering parameters written")
+        self.keep = ledger.allocate("steering keep written")
         self.rows = ledger.allocate("steering rows written")
         self.token_rows = ledger.allocate("steering token rows written")
         self.device = torch.get_device_module(ledger.device)
@@ -484,13 +516,17 @@ class Staging:
         self.used[kind] += 1
         return slot
 
-    def entry(self, table: SteeringTable, entry: int, content: torch.Tensor, parameters: torch.Tensor) -> None:
+    def entry(
+        self, table: SteeringTable, entry: int, content: torch.Tensor, parameters: torch.Tensor, keep: float
+    ) -> None:
         """Write an entry's content to ``table`` through the staging."""
         slot = self._slot("entries", self.vectors.shape[0])
         self.vectors[slot].copy_(content)
         self.parameters[slot].copy_(parameters)
+        self.keep[slot] = keep
         table.vectors[entry].copy_(self.vectors[slot], non_blocking=True)
         table.params[entry].copy_(self.parameters[slot], non_blocking=True)
+        table.keep[entry : entry + 1].copy_(self.keep[slot : slot + 1], non_blocking=True)
 
     def row(self, table: SteeringTable, row: int, content: torch.Tensor) -> None:
         """Write a row's entries (one per block) to ``table`` through the staging."""

@@ -20,13 +20,37 @@ import torch
 from .. import arguments
 from ..capture import SAE_FEATURES, TOP_K, Capture
 from ..steering.saes import SAE
-from ..steering.specs import EVERYWHERE, KINDS, Ablate, Cap, Clamp, Steering, kind_fields, unit_direction
+from ..steering.specs import (
+    EVERYWHERE,
+    KINDS,
+    PATCHED_VALUES,
+    Ablate,
+    Cap,
+    Clamp,
+    Patch,
+    Steering,
+    kind_fields,
+    unit_direction,
+)
 from .errors import InvalidField, naming
 from .intake import decode_json, hand_over
 from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
-SPEC_FIELDS = ("kind", "layers", "vector", "factor", "min", "max", "sae", "feature", "value", "scale", "positions")
+SPEC_FIELDS = (
+    "kind",
+    "layers",
+    "vector",
+    "vectors",
+    "factor",
+    "min",
+    "max",
+    "sae",
+    "feature",
+    "value",
+    "scale",
+    "positions",
+)
 #: The fields only one kind of spec takes (`specs.KINDS`).
 OWN_FIELDS = tuple(name for _, names in KINDS.values() for name in names)
 #: What a registered vector's name may be (it is also a URL path segment).
@@ -77,6 +101,8 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
     kind = _kind(spec, where)
     if kind == "clamp":
         return _read_clamp(spec, where)
+    if kind == "patch":
+        return _read_patch(spec, where, num_layers, hidden_size)
     if "vector" not in spec:
         raise InvalidField(f"{where}: the field 'vector' is required", f"{where}.vector")
     if "layers" not in spec and not isinstance(spec["vector"], str):
@@ -113,7 +139,9 @@ def _kind(spec: dict[str, Any], where: str) -> str:
     if kind not in KINDS:
         known = ", ".join(repr(name) for name in KINDS)
         raise InvalidField(f"{where}: kind must be one of {known}, got {kind!r}", f"{where}.kind")
-    beside = "'positions'" if kind == "clamp" else "'layers', 'vector' and 'positions'"
+    beside = {"clamp": "'positions'", "patch": "'layers' and 'positions'"}.get(
+        kind, "'layers', 'vector' and 'positions'"
+    )
     for name in (*OWN_FIELDS, "layers", "vector"):
         if name in spec and name not in kind_fields(kind):
             has = " and ".join(repr(field) for field in KINDS[kind][1]) or "no field of its own"
@@ -141,6 +169,27 @@ def _read_clamp(spec: dict[str, Any], where: str) -> dict[str, Any]:
     with naming(f"{where}.positions"):
         arguments.phase_or_positions(read["positions"], where)
     return {**read, "sae": spec["sae"], "feature": feature, given[0]: spec[given[0]]}
+
+
+def _read_patch(spec: dict[str, Any], where: str, num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """A ``patch`` spec: ``layers``, a list of prompt ``positions``, ``vectors`` (one list of floats for every
+    position, or a list of them, one per position) and optionally ``value`` (``layer_output`` unless told)."""
+    for name in ("layers", "vectors", "positions"):
+        if name not in spec:
+            raise InvalidField(f"{where}: a 'patch' spec needs '{name}'", f"{where}.{name}")
+    with naming(f"{where}.layers"):
+        arguments.layer_indices(spec["layers"], num_layers, where)
+    value = spec.get("value", "layer_output")
+    if value not in PATCHED_VALUES:
+        raise InvalidField(
+            f"{where}: a 'patch' spec's value is one of {', '.join(PATCHED_VALUES)}, got {value!r}", f"{where}.value"
+        )
+    vectors = spec["vectors"]
+    rows = vectors if isinstance(vectors, list) and vectors and isinstance(vectors[0], list) else [vectors]
+    with naming(f"{where}.vectors"):
+        checked = torch.stack([checked_vector(row, hidden_size, where) for row in rows])
+        patch = Patch(checked if len(rows) > 1 else checked[0], spec["layers"], spec["positions"], value)
+    return {"kind": "patch", "layers": spec["layers"], "vector": None, "positions": patch.positions, "patch": patch}
 
 
 def _read_bounds(spec: dict[str, Any], where: str, read: dict[str, Any]) -> None:
@@ -185,6 +234,9 @@ def with_vectors(
     for i, spec in enumerate(specs):
         if spec["kind"] == "clamp":
             steering.append(_clamp(spec, f"steering[{i}]", saes or {}))
+            continue
+        if spec["kind"] == "patch":
+            steering.append(spec["patch"])
             continue
         vector, layers = spec["vector"], spec["layers"]
         if isinstance(vector, str):

@@ -40,6 +40,9 @@ EVERYWHERE_VALUES = ("layers.0.layer_input", "layers.*.attention_output", "layer
 DIRECTIONS_PER_BLOCK = 2
 #: The key of ``SamplingParams.extra_args`` under which a request's steering travels to the engine.
 EXTRA_ARGS_KEY = "nnterp_vllm_steering"
+#: The key of a request's steering (engine form) naming the first prompt position it changes and the salt its
+#: prefix-cache blocks take from the block holding that position on (`request_steering`).
+SALTED_FROM = "salted_from"
 
 
 class Placed:
@@ -264,8 +267,99 @@ class Clamp(Placed):
         return replace(self, scale=self.scale * factor)
 
 
+#: The standardized values a `Patch` sets: the stream a block hands on, and what its attention and its MLP add to it.
+PATCHED_VALUES = ("layer_output", "attention_output", "mlp_output")
+
+
+@dataclass(frozen=True, eq=False)
+class Patch(Placed):
+    """Set ``value`` of the blocks ``layers`` to ``vectors`` at the prompt ``positions``: ``h' = v`` there, untouched
+    elsewhere (activation patching: rows a clean run kept, set into a corrupted run).
+
+    Args:
+        vectors: One ``[hidden_size]`` vector for every position, or ``[len(positions), hidden_size]``: a row per
+            position, in the order given (a tensor, or lists of floats).
+        layers: A standardized block index or a list of them (the same rows are set at each).
+        positions: A non-empty list of prompt positions (negative counting from the prompt's end), each once.
+        value: ``"layer_output"`` (default: the stream leaving the block), ``"attention_output"`` or ``"mlp_output"``
+            (what the block's attention or MLP adds to the stream).
+
+    The checks that need no model run here; the vectors' width, the layer range and the positions against the
+    prompt are checked when a request carrying the spec is made.
+    """
+
+    vectors: Any = field(repr=False)
+    layers: int | Sequence[int] = field(default=None)  # type: ignore[assignment]
+    positions: Sequence[int] = field(default=None)  # type: ignore[assignment]
+    value: str = "layer_output"
+    what = "Patch"
+
+    def __post_init__(self) -> None:
+        what = self.what
+        if self.layers is None or self.positions is None:
+            raise ValueError(
+                f"{what}: name the blocks and the prompt positions, e.g. {what}(rows, layers=8, positions=[3])"
+            )
+        object.__setattr__(self, "layers", arguments.layer_list(self.layers, what))
+        positions = arguments.listed_ints(self.positions)
+        if positions is None:
+            raise ValueError(
+                f"{what}: positions must be a non-empty list of prompt positions (ints, negative counting from the "
+                f"prompt's end), got {self.positions!r}"
+            )
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"{what}: each position is set once; {positions} names one twice")
+        object.__setattr__(self, "positions", positions)
+        if self.value not in PATCHED_VALUES:
+            raise ValueError(f"{what}: value must be one of {', '.join(PATCHED_VALUES)}, got {self.value!r}")
+        vectors = self.vectors
+        if isinstance(vectors, (list, tuple)) and vectors and isinstance(vectors[0], (list, tuple)):
+            vectors = torch.stack([arguments.one_vector(row, what) for row in vectors])
+        elif not isinstance(vectors, torch.Tensor) or vectors.dim() == 1:
+            vectors = arguments.one_vector(vectors, what)
+        else:
+            arguments.hidden_vector(vectors, vectors.shape[-1], what)
+        if vectors.dim() == 2 and vectors.shape[0] != len(positions):
+            raise ValueError(
+                f"{what}: vectors has {vectors.shape[0]} rows for {len(positions)} positions: give one row per "
+                "position, or one [hidden_size] vector for all of them"
+            )
+        object.__setattr__(self, "vectors", vectors.detach())
+
+    def rows(self) -> torch.Tensor:
+        """``[len(positions), hidden]``: the vector each position is set to, in the order of ``positions``."""
+        return self.vectors.expand(len(self.positions), -1) if self.vectors.dim() == 1 else self.vectors
+
+    def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> list[dict[str, Any]]:
+        """This spec in its engine form for a prompt of ``prompt_length`` tokens: one entry per position (each its
+        own row of the engine's steering pool), as `Steering.resolved` makes them, the value named. Raises
+        `ValueError` as `steer` does."""
+        what = self.what
+        layers = arguments.layer_indices(self.layers, num_layers, what)
+        rows = arguments.hidden_vector(self.rows(), hidden_size, what)
+        positions = arguments.positions_within(self.positions, prompt_length, what)
+        if len(set(positions)) != len(positions):
+            raise ValueError(
+                f"{what}: positions {self.positions} name one position of the {prompt_length}-token prompt twice"
+            )
+        return [
+            {
+                "kind": "patch",
+                "layers": layers,
+                "value": self.value,
+                "vector": row.to(device="cpu", dtype=torch.float32).tolist(),
+                "positions": [position],
+            }
+            for position, row in zip(positions, rows)
+        ]
+
+    def scaled(self, factor: float) -> Patch:
+        """This patch: it sets its rows whatever the factor."""
+        return self
+
+
 #: The specs a request may carry.
-SPECS = (Steering, Cap, Clamp)
+SPECS = (Steering, Cap, Clamp, Patch)
 #: Each kind of spec by the name a server request or a grid file gives it: the spec and the fields of its own it
 #: takes (beside ``positions``, and a direction's ``layers`` and ``vector``, which every kind but a clamp takes).
 KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -273,6 +367,7 @@ KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
     "ablate": (Ablate, ()),
     "cap": (Cap, ("min", "max")),
     "clamp": (Clamp, ("sae", "feature", "value", "scale")),
+    "patch": (Patch, ("vectors", "value")),
 }
 
 
@@ -280,7 +375,9 @@ def kind_fields(kind: str) -> tuple[str, ...]:
     """The fields a spec of ``kind`` (`KINDS`) takes beside ``positions``: a direction's ``vector`` and ``layers``
     (but a clamp's direction is its SAE feature's) and its own."""
     own = KINDS[kind][1]
-    return own if kind == "clamp" else ("vector", "layers", *own)
+    if kind == "clamp":
+        return own
+    return ("layers", *own) if kind == "patch" else ("vector", "layers", *own)
 
 
 def feature_change(
@@ -359,12 +456,12 @@ def specs_of(steering: Any, where: str = "steering") -> list[Steering | Cap]:
             if not isinstance(spec, SPECS):
                 raise TypeError(
                     f"{WHAT}: {where}[{index}] is a {type(spec).__name__}; a request's steering is None, a Steering "
-                    "(or Cap, Ablate, Clamp) or a list of them"
+                    "(or Cap, Ablate, Clamp, Patch) or a list of them"
                 )
         return list(steering)
     raise TypeError(
         f"{WHAT}: {where} is a {type(steering).__name__}; a request's steering is None, a Steering (or Cap, Ablate, "
-        "Clamp) or a list of them"
+        "Clamp, Patch) or a list of them"
     )
 
 
@@ -380,8 +477,8 @@ def per_prompt(steering: Any, count: int) -> list[list[Steering | Cap]]:
     if isinstance(steering, (list, tuple)) and not all(isinstance(spec, SPECS) for spec in steering):
         raise TypeError(
             f"{WHAT}: steering is a list of {len(steering)} entries for {count} prompt(s), not all of them specs. "
-            f"Give one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate, Clamp) or a list of "
-            "them), or one spec or a list of specs (of any length) that steers every prompt with all of them"
+            f"Give one entry per prompt (a list of {count}, each None, a Steering (or Cap, Ablate, Clamp, Patch) or a "
+            "list of them), or one spec or a list of specs (of any length) that steers every prompt with all of them"
         )
     return [specs_of(steering)] * count
 
@@ -401,14 +498,19 @@ def request_steering(
     all of it, the prompt's length included where a phase depends on it, so two requests share cached
     blocks only when every token of the shared prefix was steered alike. Steering of generated tokens
     only (`decode_only`) leaves the prompt's KV as an unsteered request computes it: no salt, so its
-    prompt blocks are shared (and the engine caches none of its generated ones). Steering a model computing
-    in ``dtype`` could not hold (`check_held`), or more directions on one token at one block than the engine's
+    prompt blocks are shared (and the engine caches none of its generated ones). Steering that acts on listed
+    prompt positions only, the first of them ``p > 0``, leaves every token before ``p`` as an unsteered request
+    computes it: the engine form then carries the salt and ``p`` (`SALTED_FROM`), no cache salt is returned, and
+    the engine's scheduler salts the prompt's blocks from the one holding ``p`` on, so the blocks before it are
+    shared with unsteered requests and any other steered from ``p`` or later. Steering a model computing in
+    ``dtype`` could not hold (`check_held`), or more directions on one token at one block than the engine's
     ``directions_per_block`` (`check_directions`), is refused.
     """
     if not specs:
         return None
-    resolved = [spec.resolved(num_layers, hidden_size, prompt_length) for spec in specs]
+    resolved = [entry for spec in specs for entry in listed(spec.resolved(num_layers, hidden_size, prompt_length))]
     check_held(resolved, dtype)
+    check_patches(resolved)
     digests = [_digest(entry) for entry in resolved]
     steering = {"prompt_tokens": prompt_length, "specs": resolved, "digests": digests}
     check_directions(resolved, token_sets(steering), directions_per_block)
@@ -416,8 +518,37 @@ def request_steering(
     if decode_only(steering):
         return steering, None
     length = prompt_length if any(phase in ("prompt", "generated") for phase in phases) else None
-    salt = hashlib.sha256(json.dumps([digests, phases, length]).encode()).hexdigest()
-    return steering, f"nnterp_vllm-steering-{salt}"
+    salt = f"nnterp_vllm-steering-{hashlib.sha256(json.dumps([digests, phases, length]).encode()).hexdigest()}"
+    first = min((min(phase) for phase in phases if not isinstance(phase, str)), default=0)
+    if first > 0 and all(not isinstance(phase, str) or phase == "generated" for phase in phases):
+        steering[SALTED_FROM] = [first, salt]
+        return steering, None
+    return steering, salt
+
+
+def listed(resolved: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A spec's engine form as a list of entries (a `Patch` makes one per position)."""
+    return resolved if isinstance(resolved, list) else [resolved]
+
+
+#: The kinds of spec that move the stream along a direction (each takes a direction slot of the engine's pool entry).
+DIRECTION_KINDS = ("cap", "clamp")
+
+
+def check_patches(resolved: Sequence[dict[str, Any]]) -> None:
+    """Refuse two patch entries that set the same value of the same block at the same position; ``ValueError``."""
+    seen: dict[tuple, int] = {}
+    for i, entry in enumerate(resolved):
+        if entry["kind"] != "patch":
+            continue
+        for layer in entry["layers"]:
+            key = (entry["value"], layer, entry["positions"][0])
+            if key in seen:
+                raise ValueError(
+                    f"Patch: specs {[seen[key], i]} both set layers.{layer}.{entry['value']} at position {key[2]}; "
+                    "a value is set once per position"
+                )
+            seen[key] = i
 
 
 def decode_only(steering: dict[str, Any]) -> bool:
@@ -442,9 +573,9 @@ def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
     added: dict[int, torch.Tensor] = {}
     adders: dict[int, list[int]] = {}
     for i, entry in enumerate(resolved):
-        if entry["kind"] != "add":
+        if entry["kind"] not in ("add", "patch"):
             continue
-        scaled = torch.tensor(entry["vector"], dtype=torch.float64) * entry["factor"]
+        scaled = torch.tensor(entry["vector"], dtype=torch.float64) * entry.get("factor", 1.0)
         for layer in entry["layers"]:
             added[layer] = added[layer] + scaled if layer in added else scaled
             adders.setdefault(layer, []).append(i)
@@ -469,7 +600,7 @@ def check_directions(
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
         per_layer: dict[Any, list[int]] = {}
         for i in indices:
-            if resolved[i]["kind"] != "add":
+            if resolved[i]["kind"] in DIRECTION_KINDS:
                 layers = resolved[i]["layers"]
                 for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
@@ -528,6 +659,8 @@ __all__ = [
     "Clamp",
     "HEADROOM",
     "KINDS",
+    "PATCHED_VALUES",
+    "Patch",
     "Steering",
     "TokenSets",
     "decode_only",

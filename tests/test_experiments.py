@@ -1,0 +1,316 @@
+"""Experiments at serving throughput: activation patching, checked against transformers' own model with forward hooks.
+
+- `Patch` sets a block's ``layer_output``, or what its attention or its MLP adds, at prompt positions, inside the
+  steered engine's compiled graph and in a trace on either engine (``model.patch``), each equal to a forward hook
+  setting the same rows on transformers' model.
+- `patch_sweep` on the steered engine (every cell one request of one batch, its metric read in the worker) and on
+  transformers equals a TransformerLens-style loop of hooked forwards, one per cell.
+- Bad patches and sweeps are refused before any work, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference
+import tiny
+import torch
+from test_steering import STEPS, engine_args, tokens_and_logprobs
+from vllm import SamplingParams
+
+from nnterp_vllm import (
+    LogitDiff,
+    Logprob,
+    Patch,
+    Recovered,
+    StandardizedTransformer,
+    SteeredVLLM,
+    Steering,
+    patch_sweep,
+)
+
+GREEDY = {"temperature": 0.0, "max_tokens": STEPS, "ignore_eos": True, "logprobs": 0}
+PROMPT_TOKENS = len(tiny.tokenizer()(reference.PROMPT)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny.checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def steered(path):
+    llm = SteeredVLLM(
+        path, capture_values=["layers.*.layer_output", "layers.*.attention_output"], **engine_args("llama")
+    )
+    yield llm
+    llm.shutdown()
+
+
+def hooked_patch_generation(path, prompt_ids: list[int], patches: list[Patch], added: list[Steering] = ()):
+    """Greedy tokens and logprobs of transformers' own model with ``patches`` set by forward hooks on the prompt's
+    forward (each block's output, its attention's or its MLP's), after ``added`` vectors at the block outputs."""
+    model = reference.load(path)
+    blocks = reference.blocks(model)
+    seen: dict[int, int] = {}
+
+    def module_of(patch: Patch, layer: int) -> torch.nn.Module:
+        block = blocks[layer]
+        return {"layer_output": block, "attention_output": block.self_attn, "mlp_output": block.mlp}[patch.value]
+
+    def hook(patch: Patch, key: int):
+        def edit(module, args, out):
+            first = seen.setdefault(key, 0) == 0
+            seen[key] += 1
+            if not first:
+                return None
+            stream = (out[0] if isinstance(out, tuple) else out).clone()
+            length = stream.shape[1]
+            for position, row in zip(patch.positions, patch.rows()):
+                stream[0, position % length] = row
+            return (stream, *out[1:]) if isinstance(out, tuple) else stream
+
+        return edit
+
+    def add(spec: Steering):
+        def edit(module, args, out):
+            stream = out[0] if isinstance(out, tuple) else out
+            stream = stream + spec.factor * spec.vector
+            return (stream, *out[1:]) if isinstance(out, tuple) else stream
+
+        return edit
+
+    handles = []
+    for spec in added:
+        handles += [blocks[layer].register_forward_hook(add(spec)) for layer in spec.layers]
+    for index, patch in enumerate(patches):
+        for layer in patch.layers:
+            handles.append(module_of(patch, layer).register_forward_hook(hook(patch, index * 1000 + layer)))
+    try:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = generated.sequences[0, len(prompt_ids) :]
+    logprobs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(generated.logits, tokens)])
+    return tokens.tolist(), logprobs
+
+
+def rows(count: int, hidden: int, seed: int) -> torch.Tensor:
+    return torch.randn(count, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+def experiment_patch(model, prompt: str, rows: torch.Tensor) -> torch.Tensor:
+    """What a researcher writes: what block 1's MLP adds set to two rows a clean run kept, then the logits."""
+    with model.trace(prompt):
+        model.patch(1, rows, [1, -2], value="mlp_output")
+        logits = model.logits.save()
+    return logits
+
+
+def test_model_patch_in_a_trace_sets_the_same_rows_on_both_engines_as_a_hook(path):
+    """The trace path, written once and run on each engine (this module's first test: the vLLM engine it builds is
+    shut down before the steered engine of the others starts)."""
+    from nnterp_vllm import StandardizedVLLM
+
+    hf = StandardizedTransformer(path)
+    ids = hf.tokenizer(reference.PROMPT, return_tensors="pt")["input_ids"]
+    patched = rows(2, hf.hidden_size, 4)
+    on_vllm = StandardizedVLLM(path, dtype="float32", dispatch=True, max_model_len=256)
+    engines = {"transformers": hf, "vllm": on_vllm}
+    try:
+        logits = {name: experiment_patch(model, reference.PROMPT, patched) for name, model in engines.items()}
+    finally:
+        on_vllm.shutdown()
+    plain = reference.load(path)
+
+    def hook(module, args, out):
+        out = out.clone()
+        out[0, 1], out[0, -2] = patched[0], patched[1]
+        return out
+
+    handle = reference.blocks(plain)[1].mlp.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            expected = plain(ids).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits["transformers"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["vllm"][0, -1], expected[0, -1], atol=1e-4, rtol=1e-4)  # vLLM: the last
+
+
+@pytest.mark.parametrize("value", ["layer_output", "attention_output", "mlp_output"])
+def test_a_patch_sets_the_value_at_its_positions_as_a_hook_does(path, steered, value):
+    ids = steered.get_tokenizer()(reference.PROMPT)["input_ids"]
+    hidden = steered.hidden_size
+    patches = [Patch(rows(3, hidden, 1), layers=1, positions=[2, 5, -1], value=value)]
+    if value == "layer_output":  # a second patch at another block, one row for both its positions, beside an add
+        patches.append(Patch(rows(1, hidden, 2)[0], layers=[0, 2], positions=[1, 3], value=value))
+    added = [Steering(2, rows(1, hidden, 3)[0], factor=2.0)]
+    (output,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [*patches, *added])
+    tokens, logprobs = tokens_and_logprobs(output)
+    expected, expected_logprobs = hooked_patch_generation(path, ids, patches, added)
+    assert tokens == expected
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda n: Patch(rows(2, n, 0), layers=1, positions=[1, 2, 3]), "vectors has 2 rows for 3 positions"),
+        (lambda n: Patch(rows(1, n, 0)[0], layers=1, positions=[1, 1]), r"each position is set once; \[1, 1\]"),
+        (lambda n: Patch(rows(1, n, 0)[0], layers=1, positions="prompt"), "positions must be a non-empty list"),
+        (lambda n: Patch(rows(1, n, 0)[0], layers=1, positions=[0], value="logits"), "value must be one of"),
+        (lambda n: Patch(rows(1, n, 0)[0], positions=[0]), "name the blocks and the prompt positions"),
+        (lambda n: [Patch(rows(1, 7, 0)[0], layers=1, positions=[0])], r"shape \[hidden_size\] = \[128\]"),
+        (lambda n: [Patch(rows(1, n, 0)[0], layers=1, positions=[400])], r"position\(s\) \[400\] are outside"),
+        (lambda n: [Patch(rows(1, n, 0)[0], layers=1, positions=[0, -PROMPT_TOKENS])], "name one position of the"),
+        (
+            lambda n: [Patch(rows(1, n, 0)[0], layers=1, positions=[2]), Patch(rows(1, n, 1)[0], 1, positions=[2])],
+            r"both set layers.1.layer_output at position 2",
+        ),
+    ],
+)
+def test_bad_patches_are_refused_before_the_engine_sees_them(steered, make, message):
+    requests = steered.request_counter.counter
+    with pytest.raises(ValueError, match=message):
+        spec = make(steered.hidden_size)
+        steered.generate(reference.PROMPT, SamplingParams(max_tokens=2), spec)
+    assert steered.request_counter.counter == requests
+
+
+CLEAN, CORRUPT = (
+    "When Mary and John went out, John gave the ball to",
+    "When Mary and John went out, Mary gave the ball to",
+)
+
+
+def hook_loop(path, clean_ids, corrupt_ids, layers, positions, value, measure) -> tuple[float, float, torch.Tensor]:
+    """The sweep as researchers write it with hooks on transformers' own model: one forward keeping the clean run's
+    values, then one hooked forward per (layer, position) cell; ``measure`` reads the last position's logits."""
+    model = reference.load(path)
+    blocks = reference.blocks(model)
+
+    def module(layer):
+        block = blocks[layer]
+        return {"layer_output": block, "attention_output": block.self_attn, "mlp_output": block.mlp}[value]
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    kept = {}
+    handles = [
+        module(layer).register_forward_hook(
+            lambda m, a, out, layer=layer: kept.__setitem__(layer, first(out)[0].clone())
+        )
+        for layer in layers
+    ]
+    with torch.no_grad():
+        clean_logits = model(torch.tensor([clean_ids])).logits[0, -1]
+        for handle in handles:
+            handle.remove()
+        corrupt_logits = model(torch.tensor([corrupt_ids])).logits[0, -1]
+        values = torch.empty(len(layers), len(positions))
+        for i, layer in enumerate(layers):
+            for j, position in enumerate(positions):
+
+                def patched(m, a, out, layer=layer, position=position):
+                    stream = first(out).clone()
+                    stream[0, position] = kept[layer][position]
+                    return (stream, *out[1:]) if isinstance(out, tuple) else stream
+
+                handle = module(layer).register_forward_hook(patched)
+                values[i, j] = measure(model(torch.tensor([corrupt_ids])).logits[0, -1])
+                handle.remove()
+    return measure(clean_logits), measure(corrupt_logits), values
+
+
+@pytest.mark.parametrize("value", ["layer_output", "attention_output"])
+def test_a_patch_sweep_equals_a_hook_loop_on_both_engines(path, steered, value):
+    tokenizer = steered.get_tokenizer()
+    clean_ids, corrupt_ids = tokenizer(CLEAN)["input_ids"], tokenizer(CORRUPT)["input_ids"]
+    correct, wrong = tokenizer(" M", add_special_tokens=False)["input_ids"][0], 300
+    positions = [1, 5, len(clean_ids) - 18, -3, -1]
+    metric = LogitDiff(correct, wrong)
+    on_vllm = patch_sweep(steered, CLEAN, CORRUPT, positions=positions, metric=metric, value=value)
+    on_hf = patch_sweep(StandardizedTransformer(path), CLEAN, CORRUPT, positions=positions, metric=metric, value=value)
+    resolved = sorted({p % len(clean_ids) for p in positions})
+    clean, corrupt, values = hook_loop(
+        path, clean_ids, corrupt_ids, [0, 1, 2], resolved, value, lambda logits: float(logits[correct] - logits[wrong])
+    )
+    for sweep in (on_vllm, on_hf):
+        assert (sweep.layers, sweep.positions, sweep.metric) == ([0, 1, 2], resolved, "logit_diff")
+        torch.testing.assert_close(sweep.values, values, atol=1e-4, rtol=1e-4)
+        assert sweep.clean == pytest.approx(clean, abs=1e-4) and sweep.corrupt == pytest.approx(corrupt, abs=1e-4)
+    assert not torch.allclose(values, torch.full_like(values, corrupt))  # some cell moved the metric
+    frame = on_vllm.frame()
+    assert list(frame.index) == [0, 1, 2] and frame.shape == (3, len(resolved))
+
+
+def test_recovered_and_logprob_sweeps_and_the_heat_map(path, steered, tmp_path):
+    tokenizer = steered.get_tokenizer()
+    token = tokenizer(" M", add_special_tokens=False)["input_ids"][0]
+    measured = patch_sweep(steered, CLEAN, CORRUPT, layers=[1], positions=[-1, 3], metric=Logprob(token))
+    recovered = patch_sweep(steered, CLEAN, CORRUPT, layers=[1], positions=[-1, 3], metric=Recovered(Logprob(token)))
+    expected = (measured.values - measured.corrupt) / (measured.clean - measured.corrupt)
+    torch.testing.assert_close(recovered.values, expected, atol=1e-5, rtol=1e-5)
+    assert (recovered.clean, recovered.corrupt, recovered.metric) == (1.0, 0.0, "recovered_logprob")
+    assert recovered.measured["clean"] == pytest.approx(measured.clean)
+    figure = recovered.display(file=tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and figure.axes
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"metric": None}, "give a metric"),
+        ({"metric": LogitDiff(10**6, 3)}, r"token 1000000 is not in the vocabulary \(ids 0..511\)"),
+        ({"metric": Logprob("two words")}, r"'two words' is \d+ tokens"),
+        ({"metric": Logprob(3), "corrupt": "short"}, "the clean prompt is .* tokens and the corrupt one"),
+        ({"metric": Logprob(3), "value": "logits"}, "value must be one of"),
+        ({"metric": Logprob(3), "layers": [7]}, r"layer\(s\) \[7\] do not exist"),
+        ({"metric": Logprob(3), "positions": [99]}, r"position\(s\) \[99\] are outside"),
+        (
+            {"metric": Logprob(3), "value": "mlp_output"},
+            r"this engine keeps none of them: build it with capture_values",
+        ),
+    ],
+)
+def test_bad_sweeps_are_refused_before_any_run(steered, arguments, message):
+    requests = steered.request_counter.counter
+    with pytest.raises(ValueError, match=message):
+        patch_sweep(steered, CLEAN, arguments.pop("corrupt", CORRUPT), **arguments)
+    assert steered.request_counter.counter == requests
+
+
+def test_a_patch_shares_the_prompts_cached_blocks_before_its_position(path, steered):
+    """A cell patched at position ``p`` computes the tokens before ``p`` as the unpatched prompt does: it reads the
+    prefix cache's blocks before the one holding ``p`` (and only those), and its output still equals a hook's."""
+    from test_steering import BLOCK
+
+    prompt = "Patching changes nothing before its position: " + "block after block of tokens. " * 5
+    ids = steered.get_tokenizer()(prompt)["input_ids"]
+    assert len(ids) > 3 * BLOCK
+    steered.reset_prefix_cache()
+    (plain,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY))
+    assert plain.num_cached_tokens == 0
+    position = 2 * BLOCK + 5
+    patch = Patch(rows(1, steered.hidden_size, 7)[0], layers=1, positions=[position])
+    (patched,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [patch])
+    assert patched.num_cached_tokens == 2 * BLOCK  # the blocks before the one holding the position
+    tokens, logprobs = tokens_and_logprobs(patched)
+    expected, expected_logprobs = hooked_patch_generation(path, ids, [patch])
+    assert tokens == expected
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
+    (again,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [patch])
+    assert again.num_cached_tokens > 2 * BLOCK  # the same patch shares its own blocks too
+    earlier = Patch(rows(1, steered.hidden_size, 8)[0], layers=1, positions=[BLOCK + 1])
+    (other,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [earlier])
+    assert other.num_cached_tokens == BLOCK
