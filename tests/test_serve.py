@@ -39,12 +39,15 @@ from nnterp_vllm import (
     Cap,
     Capture,
     Clamp,
+    LogitDiff,
     Patch,
+    Recovered,
     StandardizedTransformer,
     StandardizedVLLM,
     SteeredVLLM,
     Steering,
     load_steering,
+    patch_sweep,
 )
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
@@ -79,6 +82,14 @@ SAME_LENGTH = "Hello, how are you?"
 #: Prompts of the concurrent traces, one per client.
 TRACE_PROMPTS = ["Hello world", "The cat", "A dog ran far", "Blue sky", "One two three", "Red", "Green tea", "Paris is"]
 #: Captures of the SAEs' features the server holds (--sae): a TopK SAE's top 4, a standard SAE's chosen features.
+#: A patching sweep over HTTP: the prompts, blocks and positions, and the tokens its logit difference reads.
+SWEEP = {
+    "clean": "Anna met Bert; Bert gave a gift to",
+    "corrupt": "Anna met Bert; Anna gave a gift to",
+    "layers": [0, 2],
+}
+SWEEP["positions"] = [1, -3, -1]
+SWEPT_TOKENS = (33, 300)
 SAE_CAPTURES = [
     Capture("layers.2.sae_features", top_k=4),
     Capture(["layers.1.sae_features", "layers.0.mlp_output"], positions="last", features=[2, 7]),
@@ -353,6 +364,7 @@ def served(tmp_path_factory):
             [[], steered, [], []],
             capture=[CAPTURED, CAPTURED, *SAE_CAPTURES],
         )
+        swept = patch_sweep(llm, **SWEEP, metric=Recovered(LogitDiff(*SWEPT_TOKENS)))
     finally:
         llm.shutdown()
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
@@ -386,9 +398,32 @@ def served(tmp_path_factory):
             sae_kept=[output.activations for output in kept[2:]],
             concurrent=list(zip(concurrent, tokens[len(single) :])),
             traced=traced,
+            swept=swept,
         )
     finally:
         server.stop()
+
+
+def test_a_patch_sweep_over_http_equals_the_steered_engines(served):
+    """``POST /v1/patch_sweep`` answers the table `patch_sweep` gives on `SteeredVLLM` (the same cells, run in the
+    server's continuous batch, the metric read in its worker); a bad metric is a 400 naming the field."""
+    metric = {"kind": "recovered", "of": {"kind": "logit_diff", "correct": SWEPT_TOKENS[0], "wrong": SWEPT_TOKENS[1]}}
+    response = post(served, "/v1/patch_sweep", {**SWEEP, "metric": metric})
+    assert response.status_code == 200, response.text
+    table = response.json()
+    expected = served.swept
+    assert (table["object"], table["metric"], table["layers"], table["positions"]) == (
+        "patch_sweep",
+        "recovered_logit_diff",
+        expected.layers,
+        expected.positions,
+    )
+    torch.testing.assert_close(torch.tensor(table["values"]), expected.values, atol=1e-4, rtol=1e-4)
+    assert table["measured"]["clean"] == pytest.approx(expected.measured["clean"], abs=1e-4)
+    bad = post(served, "/v1/patch_sweep", {**SWEEP, "metric": {"kind": "logit_diff", "correct": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "metric.wrong"
+    far = post(served, "/v1/patch_sweep", {**SWEEP, "metric": {"kind": "logprob", "token": 10**6}})
+    assert far.status_code == 400 and "not in the vocabulary" in far.json()["error"]["message"]
 
 
 def client(served) -> openai.OpenAI:

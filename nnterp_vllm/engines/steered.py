@@ -233,7 +233,8 @@ class SteeringClient:
 
 
 def merged(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' answers to ``take_captured`` as one (only the first tensor-parallel rank keeps rows)."""
+    """The workers' answers to ``take_captured`` or ``take_metrics`` as one (only the first tensor-parallel rank keeps
+    rows and reads metrics)."""
     return {key: found for answer in per_worker for key, found in answer.items()}
 
 
@@ -438,11 +439,7 @@ class SteeredVLLM(SteeringClient, LLM):
     def take_metrics(self, keys: Sequence[str]) -> dict[str, float]:
         """The metrics the engine read for the requests carrying metric ``keys`` (`metric_wires`), handed over and
         forgotten there."""
-        return {
-            key: value
-            for answer in self.collective_rpc("take_metrics", args=(list(keys),))
-            for key, value in answer.items()
-        }
+        return merged(self.collective_rpc("take_metrics", args=(list(keys),)))
 
     def capture_stats(self) -> list[dict[str, Any]]:
         """Per worker: eager runs of the capture hooks, rows kept, requests whose rows it holds."""
@@ -493,20 +490,25 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
         *,
         steering: Any = None,
         capture: Capture | None = None,
+        metric: Any = None,
         **kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """vLLM's ``AsyncLLM.generate``, the prompt steered by ``steering`` (``None``, a `Steering` or a list) and
-        keeping what ``capture`` says: the last output carries ``activations`` (`attach_activations`).
+        """vLLM's ``AsyncLLM.generate``, the prompt steered by ``steering`` (``None``, a `Steering` or a list),
+        keeping what ``capture`` says and reading ``metric`` (`steering.metrics`) from its prompt's last-position
+        logits: the last output carries ``activations`` (`attach_activations`) and ``metric``.
 
         The specs are checked against the model and the rendered prompt before the request is added.
         """
         refuse_after_shutdown(self, type(self).__name__)
         specs = specs_of(steering)
         wire = None
+        (measure,) = self.metric_wires(metric, 1)
         if specs or capture is not None:
             engine_input = await self._rendered(prompt, kwargs.get("tokenization_kwargs"))
             prompt, sampling_params, wire = self.steered_request(engine_input, sampling_params, specs, capture)
-        if wire is None:
+        if measure is not None:
+            sampling_params = with_extra(sampling_params, METRIC_KEY, measure)
+        if wire is None and measure is None:
             async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
                 yield output
             return
@@ -515,11 +517,20 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
             async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
                 if output.finished:
                     taken = True
-                    attach_activations(output, wire, await self._take_captured([wire["key"]]))
+                    if wire is not None:
+                        attach_activations(output, wire, await self._take_captured([wire["key"]]))
+                    if measure is not None:
+                        output.metric = (await self._take_metrics([measure["key"]])).get(measure["key"])
                 yield output
         finally:
-            if not taken:  # aborted or failed: the rows kept so far are let go
-                await self._take_captured([wire["key"]])
+            if not taken:  # aborted or failed: what was kept so far is let go
+                if wire is not None:
+                    await self._take_captured([wire["key"]])
+                if measure is not None:
+                    await self._take_metrics([measure["key"]])
+
+    async def _take_metrics(self, keys: Sequence[str]) -> dict[str, float]:
+        return merged(await self.collective_rpc("take_metrics", args=(list(keys),)))
 
     async def _take_captured(self, keys: Sequence[str]) -> dict[str, Any]:
         return merged(await self.collective_rpc("take_captured", args=(list(keys), True)))

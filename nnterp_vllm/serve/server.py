@@ -51,6 +51,7 @@ from .fields import (
     check_positions,
     named_vectors,
     read_capture,
+    read_patch_sweep,
     read_registration,
     read_steering,
     with_vectors,
@@ -75,6 +76,8 @@ CAPTURE = "capture"
 #: The routes that serve ``capture`` (answered whole, each choice with its ``activations``; elsewhere refused).
 CAPTURE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 VECTORS_PATH = "/v1/steering/vectors"
+#: The route answering an activation-patching sweep (`steering.patching.patch_sweep`) as JSON.
+PATCH_SWEEP_PATH = "/v1/patch_sweep"
 #: Bytes one number of a steering vector takes at most as JSON text (``-1.2345678901234567e-05, ``).
 BYTES_PER_NUMBER = 25
 
@@ -292,6 +295,23 @@ async def delete_vector(name: str, raw_request: Request) -> JSONResponse:
     if not await registry.call("remove", name):
         return error_json(f"no vector is registered as {name!r}", "name", HTTPStatus.NOT_FOUND)
     return JSONResponse({"object": "steering.vector.deleted", "name": name, "deleted": True})
+
+
+@router.post(PATCH_SWEEP_PATH)
+async def patch_sweep_route(raw_request: Request) -> JSONResponse:
+    """An activation-patching sweep (`read_patch_sweep`'s body): every cell a request of the engine's continuous
+    batch, its metric read in the worker; the table as JSON (`PatchSweep.as_dict`). 400 naming what is wrong."""
+    from ..steering.patching import served_patch_sweep
+
+    engine = raw_request.app.state.engine_client
+    try:
+        arguments = await asyncio.to_thread(read_patch_sweep, await raw_request.body())
+        sweep = await served_patch_sweep(engine, **arguments)
+    except InvalidField as error:
+        return refusal(error)
+    except ValueError as error:
+        return error_json(str(error), None)
+    return JSONResponse({"object": "patch_sweep", **sweep.as_dict()})
 
 
 def steering_specs_bound(args: argparse.Namespace, num_layers: int) -> int:

@@ -11,7 +11,7 @@ the number comes back); a cell patched at position ``p`` shares the corrupted pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,48 +97,136 @@ def patch_sweep(
     `StandardizedTransformer`. The prompts (text, or token ids) must be as long as each other. Everything is checked
     before any run: ``ValueError`` naming what is wrong.
     """
-    if metric is None:
-        raise ValueError(f"{WHAT}: give a metric: LogitDiff(correct, wrong), Logprob(token) or Recovered(...)")
-    base = base_metric(metric, WHAT)
-    if value not in PATCHED_VALUES:
-        raise ValueError(f"{WHAT}: value must be one of {', '.join(PATCHED_VALUES)}, got {value!r}")
-    on_vllm = hasattr(model, "metric_wires")
-    tokenizer = model.get_tokenizer() if on_vllm else model.tokenizer
-    clean_ids, corrupt_ids = (
-        prompt_ids(prompt, tokenizer, name) for name, prompt in (("clean", clean), ("corrupt", corrupt))
-    )
-    if len(clean_ids) != len(corrupt_ids):
-        raise ValueError(
-            f"{WHAT}: the clean prompt is {len(clean_ids)} tokens and the corrupt one {len(corrupt_ids)}: patching "
-            "sets a position's value from one into the other, so they must be as long as each other"
+    planned = Planned.of(model, clean, corrupt, layers, positions, metric, value)
+    if not hasattr(model, "metric_wires"):
+        return planned.result(*on_transformers(model, planned))
+    steps = planned.engine_steps(model)
+    batch = next(steps)
+    try:
+        while True:
+            prompts, params, steering, capture, measure = batch
+            shown = progress and len(prompts) > 2
+            outputs = model.generate(prompts, params, steering, capture=capture, metric=measure, use_tqdm=shown)
+            batch = steps.send(outputs)
+    except StopIteration as done:
+        return planned.result(*done.value)
+
+
+async def served_patch_sweep(
+    engine: Any,
+    clean: str | Sequence[int],
+    corrupt: str | Sequence[int],
+    layers: Any = None,
+    positions: Sequence[int] | None = None,
+    metric: LogitDiff | Logprob | Recovered | None = None,
+    value: str = "layer_output",
+) -> PatchSweep:
+    """`patch_sweep` on an `AsyncSteeredVLLM` (the server's engine): every cell a request of its continuous batch."""
+    import asyncio
+    import uuid
+
+    planned = Planned.of(engine, clean, corrupt, layers, positions, metric, value)
+    steps = planned.engine_steps(engine)
+
+    async def last(prompt: Any, params: Any, steering: Any, capture: Any, measure: Any) -> Any:
+        request_id = f"patch-sweep-{uuid.uuid4().hex}"
+        running = engine.generate(prompt, params, request_id, steering=steering, capture=capture, metric=measure)
+        return [output async for output in running][-1]
+
+    batch = next(steps)
+    try:
+        while True:
+            prompts, params, steering, capture, measure = batch
+            runs = zip(prompts, steering, capture or [None] * len(prompts))
+            outputs = await asyncio.gather(*(last(p, params, s, c, measure) for p, s, c in runs))
+            batch = steps.send(list(outputs))
+    except StopIteration as done:
+        return planned.result(*done.value)
+
+
+@dataclass
+class Planned:
+    """A sweep checked against its model: the prompts' ids, the layers and positions, the metric and its engine
+    form."""
+
+    clean: list[int]
+    corrupt: list[int]
+    layers: list[int]
+    positions: list[int]
+    value: str
+    metric: Any
+    base: Any
+    wire: dict[str, Any]
+    tokens: list[str]
+
+    @classmethod
+    def of(cls, model: Any, clean: Any, corrupt: Any, layers: Any, positions: Any, metric: Any, value: str) -> Planned:
+        """Check a sweep's arguments against ``model`` (either engine); ``ValueError`` naming what is wrong."""
+        if metric is None:
+            raise ValueError(f"{WHAT}: give a metric: LogitDiff(correct, wrong), Logprob(token) or Recovered(...)")
+        base = base_metric(metric, WHAT)
+        if value not in PATCHED_VALUES:
+            raise ValueError(f"{WHAT}: value must be one of {', '.join(PATCHED_VALUES)}, got {value!r}")
+        tokenizer = model.get_tokenizer() if hasattr(model, "metric_wires") else model.tokenizer
+        clean_ids, corrupt_ids = (
+            prompt_ids(prompt, tokenizer, name) for name, prompt in (("clean", clean), ("corrupt", corrupt))
         )
-    chosen_layers = arguments.layer_indices(
-        list(range(model.num_layers)) if layers is None else layers, model.num_layers, WHAT
-    )
-    chosen = range(len(corrupt_ids)) if positions is None else positions
-    chosen_positions = sorted(set(arguments.positions_within(list(chosen), len(corrupt_ids), WHAT)))
-    wire = metric_wire(base, tokenizer, vocab_size(model))
-    run = on_engine if on_vllm else on_transformers
-    clean_value, corrupt_value, values = run(
-        model, clean_ids, corrupt_ids, chosen_layers, chosen_positions, value, base, wire, progress
-    )
-    tokens = [tokenizer.decode([corrupt_ids[position]]) for position in chosen_positions]
-    sweep = PatchSweep(base.name, value, chosen_layers, chosen_positions, tokens, values, clean_value, corrupt_value)
-    if isinstance(metric, Recovered):
-        difference = clean_value - corrupt_value
-        if difference == 0:
+        if len(clean_ids) != len(corrupt_ids):
             raise ValueError(
-                f"{WHAT}: the clean and corrupt runs' {base.name} are equal ({clean_value}): nothing to recover"
+                f"{WHAT}: the clean prompt is {len(clean_ids)} tokens and the corrupt one {len(corrupt_ids)}: patching "
+                "sets a position's value from one into the other, so they must be as long as each other"
             )
-        sweep.measured = {
-            "metric": base.name,
-            "values": values.tolist(),
-            "clean": clean_value,
-            "corrupt": corrupt_value,
-        }
-        sweep.metric, sweep.values = metric.name, (values - corrupt_value) / difference
-        sweep.clean, sweep.corrupt = 1.0, 0.0
-    return sweep
+        every = list(range(model.num_layers)) if layers is None else layers
+        chosen_layers = arguments.layer_indices(every, model.num_layers, WHAT)
+        chosen = range(len(corrupt_ids)) if positions is None else positions
+        chosen_positions = sorted(set(arguments.positions_within(list(chosen), len(corrupt_ids), WHAT)))
+        wire = metric_wire(base, tokenizer, vocab_size(model))
+        tokens = [tokenizer.decode([corrupt_ids[position]]) for position in chosen_positions]
+        return cls(clean_ids, corrupt_ids, chosen_layers, chosen_positions, value, metric, base, wire, tokens)
+
+    def engine_steps(self, model: Any) -> Generator[tuple, list[Any], tuple[float, float, torch.Tensor]]:
+        """The sweep on a steered engine, as batches of requests (``(prompts, params, steering, capture, metric)``,
+        each answered with their outputs): the clean and corrupt runs (the clean one keeping the values), then every
+        cell, each patched with its clean value; returns the clean and corrupt metrics and the cells'."""
+        from vllm import SamplingParams
+
+        from ..capture import Capture
+
+        names = [f"layers.{layer}.{self.value}" for layer in self.layers]
+        missing = [name for name in names if name not in model.capture_values]
+        if missing:
+            raise ValueError(
+                f"{WHAT}: the clean run's {', '.join(missing)} are read by capture, and this engine keeps none of "
+                f"them: build it with capture_values=['layers.*.{self.value}'] (it keeps "
+                f"{model.capture_values or 'nothing'})"
+            )
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        prompts = [{"prompt_token_ids": self.clean}, {"prompt_token_ids": self.corrupt}]
+        runs = yield prompts, params, [None, None], [Capture(names, self.positions), None], self.base
+        kept = runs[0].activations
+        cells = [
+            [Patch(kept[name][index], layers=layer, positions=[position], value=self.value)]
+            for layer, name in zip(self.layers, names)
+            for index, position in enumerate(self.positions)
+        ]
+        patched = yield [prompts[1]] * len(cells), params, cells, None, self.base
+        values = [output.metric for output in patched]
+        shape = (len(self.layers), len(self.positions))
+        return runs[0].metric, runs[1].metric, torch.tensor(values, dtype=torch.float32).view(shape)
+
+    def result(self, clean: float, corrupt: float, values: torch.Tensor) -> PatchSweep:
+        """The sweep's table from the runs' metrics (a `Recovered` metric's fractions where asked)."""
+        sweep = PatchSweep(self.base.name, self.value, self.layers, self.positions, self.tokens, values, clean, corrupt)
+        if isinstance(self.metric, Recovered):
+            difference = clean - corrupt
+            if difference == 0:
+                raise ValueError(
+                    f"{WHAT}: the clean and corrupt runs' {self.base.name} are equal ({clean}): nothing to recover"
+                )
+            sweep.measured = {"metric": self.base.name, "values": values.tolist(), "clean": clean, "corrupt": corrupt}
+            sweep.metric, sweep.values = self.metric.name, (values - corrupt) / difference
+            sweep.clean, sweep.corrupt = 1.0, 0.0
+        return sweep
 
 
 def prompt_ids(prompt: Any, tokenizer: Any, name: str) -> list[int]:
@@ -157,69 +245,22 @@ def vocab_size(model: Any) -> int:
     return config.model_config.get_vocab_size() if config is not None else model.vocab_size
 
 
-def on_engine(
-    model: Any,
-    clean: list[int],
-    corrupt: list[int],
-    layers: list[int],
-    positions: list[int],
-    value: str,
-    base: Any,
-    wire: dict[str, Any],
-    progress: bool,
-) -> tuple[float, float, torch.Tensor]:
-    """The sweep on a `SteeredVLLM`: the clean run keeping the values (and both runs' metric), then every cell in one
-    batch, its metric read in the worker."""
-    from vllm import SamplingParams
-
-    from ..capture import Capture
-
-    names = [f"layers.{layer}.{value}" for layer in layers]
-    missing = [name for name in names if name not in model.capture_values]
-    if missing:
-        raise ValueError(
-            f"{WHAT}: the clean run's {', '.join(missing)} are read by capture, and this engine keeps none of them: "
-            f"build it with capture_values=['layers.*.{value}'] (it keeps {model.capture_values or 'nothing'})"
-        )
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    prompts = [{"prompt_token_ids": clean}, {"prompt_token_ids": corrupt}]
-    runs = model.generate(prompts, params, capture=[Capture(names, positions), None], metric=base, use_tqdm=False)
-    kept = runs[0].activations
-    cells = [
-        [Patch(kept[name][index], layers=layer, positions=[position], value=value)]
-        for layer, name in zip(layers, names)
-        for index, position in enumerate(positions)
-    ]
-    patched = model.generate([prompts[1]] * len(cells), params, cells, metric=base, use_tqdm=progress)
-    values = torch.tensor([output.metric for output in patched], dtype=torch.float32).view(len(layers), len(positions))
-    return runs[0].metric, runs[1].metric, values
-
-
-def on_transformers(
-    model: Any,
-    clean: list[int],
-    corrupt: list[int],
-    layers: list[int],
-    positions: list[int],
-    value: str,
-    base: Any,
-    wire: dict[str, Any],
-    progress: bool,
-) -> tuple[float, float, torch.Tensor]:
+def on_transformers(model: Any, planned: Planned) -> tuple[float, float, torch.Tensor]:
     """The sweep on a `StandardizedTransformer`: one trace keeping the clean values, one per cell."""
-    with model.trace(torch.tensor([clean])):
-        kept = [getattr(model.layers[layer], value)[0, positions].save() for layer in layers]
+    value, positions, wire = planned.value, planned.positions, planned.wire
+    with model.trace(torch.tensor([planned.clean])):
+        kept = [getattr(model.layers[layer], value)[0, positions].save() for layer in planned.layers]
         clean_logits = model.logits[0, -1].save()
-    with model.trace(torch.tensor([corrupt])):
+    with model.trace(torch.tensor([planned.corrupt])):
         corrupt_logits = model.logits[0, -1].save()
-    values = torch.empty(len(layers), len(positions))
-    for i, layer in enumerate(layers):
+    values = torch.empty(len(planned.layers), len(positions))
+    for i, layer in enumerate(planned.layers):
         for j, position in enumerate(positions):
-            with model.trace(torch.tensor([corrupt])):
+            with model.trace(torch.tensor([planned.corrupt])):
                 model.patch(layer, kept[i][j], [position], value=value)
                 logits = model.logits[0, -1].save()
             values[i, j] = metric_value(logits, wire)
     return float(metric_value(clean_logits, wire)), float(metric_value(corrupt_logits, wire)), values
 
 
-__all__ = ["PatchSweep", "patch_sweep"]
+__all__ = ["PatchSweep", "patch_sweep", "served_patch_sweep"]
