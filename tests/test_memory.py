@@ -284,6 +284,26 @@ def test_the_pool_shares_content_waits_for_room_and_takes_it_back():
     assert pool.admit("again", again) and again[PLACED]["entries"] == first[PLACED]["entries"]
 
 
+def test_a_row_whose_entry_was_placed_elsewhere_is_written_again():
+    """A row left resident after its entry's id went to other content names the entry's new id, not the old."""
+    generator = torch.Generator().manual_seed(9)
+    a, b, c = (torch.randn(8, generator=generator) for _ in range(3))
+    pool = SteeringPool(num_layers=4, rows=8, entries=2, writes_per_step=8)
+    first = wire([a], [1])
+    assert pool.admit("a", first)
+    pool.release("a")
+    for name, vector in (("b", b), ("c", c)):  # two new contents take both entries: a's content is gone
+        pool.new_step()
+        assert pool.admit(name, wire([vector], [1]))
+    pool.release("b"), pool.release("c")
+    pool.new_step()
+    again = wire([a], [1])
+    assert pool.admit("again", again)
+    ((entry, _, _),) = again[PLACED]["entries"]
+    ((row, name, at),) = again[PLACED]["rows"]
+    assert at == [[1, entry]] and name != first[PLACED]["rows"][0][1]  # a row content of its own, naming it
+
+
 def test_new_content_of_one_step_is_bounded_by_the_staging_except_for_one_request_alone():
     generator = torch.Generator().manual_seed(1)
     vectors = [torch.randn(8, generator=generator) for _ in range(5)]
@@ -399,6 +419,22 @@ def test_six_directions_at_one_block_apply_in_turn_as_hooks_apply_them(small_poo
     expected, expected_logprobs = hooked_generation(path, llm.get_tokenizer()(reference.PROMPT)["input_ids"], specs, {})
     assert tokens == expected
     torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_vector_whose_entry_was_evicted_steers_as_hooks_do_when_it_comes_back(small_pool):
+    path, llm = small_pool
+    generator = torch.Generator().manual_seed(10)
+    vector = torch.randn(llm.hidden_size, generator=generator)
+    prompt = reference.PROMPT
+    (first,) = greedy_with_logprobs(llm, [prompt], [[Steering(1, vector, factor=3.0)]])
+    others = [[Steering(1, torch.randn(llm.hidden_size, generator=generator), factor=3.0)] for _ in range(6)]
+    greedy_with_logprobs(llm, [f"{prompt} {i}" for i in range(6)], others)  # six contents through four entries
+    (again,) = greedy_with_logprobs(llm, [prompt], [[Steering(1, vector, factor=3.0)]])
+    expected, expected_logprobs = hooked_generation(
+        path, llm.get_tokenizer()(prompt)["input_ids"], [Steering(1, vector, factor=3.0)], {}
+    )
+    assert first[0] == again[0] == expected
+    torch.testing.assert_close(again[1], expected_logprobs, atol=1e-4, rtol=1e-4)
 
 
 def test_a_request_larger_than_the_whole_pool_is_refused_naming_the_setting(small_pool):

@@ -104,9 +104,9 @@ def needs(steering: dict[str, Any], num_layers: int) -> Needs:
     return Needs(rows, entries, row(tokens.prompt), row(tokens.generated), listed)
 
 
-def key_name(key: tuple) -> str:
+def content_name(key: tuple) -> str:
     """A row's or entry's key as one string (the engine form crosses processes as plain data)."""
-    return ",".join(key)
+    return repr(key)
 
 
 class Slots:
@@ -158,13 +158,17 @@ class Slots:
 
 class SteeringPool:
     """The scheduler's side of the pool: places each waiting request's rows and entries before it is scheduled,
-    within the room and the writes one step may stage, and takes them back when it finishes."""
+    within the room and the writes one step may stage, and takes them back when it finishes.
+
+    An entry is named by its specs' digests; a row by its specs' digests and the ids of the entries it names, so a
+    row left resident after one of its entries was placed elsewhere is never taken for current."""
 
     def __init__(self, num_layers: int, rows: int, entries: int, writes_per_step: int) -> None:
         self.num_layers = num_layers
         self.rows, self.entries = Slots(rows), Slots(entries)
         self.writes_per_step = writes_per_step
-        self.held: dict[str, Needs] = {}
+        #: Each placed request's entry keys and row keys.
+        self.held: dict[str, tuple[list[tuple], list[tuple]]] = {}
         self.written_this_step = 0
         self.waiting_for_room = False
         #: How many times a request was passed over for want of room (a test or benchmark reads it).
@@ -175,41 +179,55 @@ class SteeringPool:
         self.written_this_step = 0
         self.waiting_for_room = False
 
+    @staticmethod
+    def row_key(key: tuple, placed: dict[int, tuple], entries: dict[tuple, int]) -> tuple:
+        """A row's key: its specs' digests and, at each location, the id of its entry there (``None`` where the
+        entry is not placed yet: such a row is new)."""
+        return (key, tuple((at, entries.get(entry)) for at, entry in placed.items()))
+
     def admit(self, request_id: str, steering: dict[str, Any] | None) -> bool:
         """Whether a waiting request (its steering in engine form, or ``None``) may be scheduled now, placing it if
         it has not been: its engine form then says, under `PLACED`, where each of its rows and entries lies."""
         if steering is None or request_id in self.held:
             return True
         wanted = needs(steering, self.num_layers)
-        new_rows, new_entries = self.rows.missing(wanted.rows), self.entries.missing(wanted.entries)
+        new_entries = self.entries.missing(wanted.entries)
+        rows_now = [self.row_key(key, placed, self.entries.id_of) for key, placed in wanted.rows.items()]
+        new_rows = self.rows.missing(rows_now)
         writes = len(new_rows) + len(new_entries)
-        fits = len(new_rows) <= self.rows.room(wanted.rows) and len(new_entries) <= self.entries.room(wanted.entries)
+        fits = len(new_rows) <= self.rows.room(rows_now) and len(new_entries) <= self.entries.room(wanted.entries)
         staged = self.written_this_step == 0 or self.written_this_step + writes <= self.writes_per_step
         if writes and (self.waiting_for_room or not fits or not staged):
             self.waiting_for_room = True
             self.waits += 1
             return False
-        rows, entries = self.rows.take(wanted.rows), self.entries.take(wanted.entries)
+        entries = self.entries.take(wanted.entries)
+        row_keys = {key: self.row_key(key, placed, entries) for key, placed in wanted.rows.items()}
+        rows = self.rows.take(row_keys.values())
         self.written_this_step += writes
-        self.held[request_id] = wanted
+        self.held[request_id] = (list(wanted.entries), list(row_keys.values()))
+
+        def row_of(key: tuple | None) -> int:
+            return 0 if key is None else rows[row_keys[key]]
+
         steering[PLACED] = {
-            "prompt": rows.get(wanted.prompt, 0),
-            "generated": rows.get(wanted.generated, 0),
-            "listed": [[position, rows.get(key, 0)] for position, key in wanted.listed.items()],
+            "prompt": row_of(wanted.prompt),
+            "generated": row_of(wanted.generated),
+            "listed": [[position, row_of(key)] for position, key in wanted.listed.items()],
             "rows": [
-                [rows[key], key_name(key), [[layer, entries[entry]] for layer, entry in placed.items()]]
+                [row_of(key), content_name(row_keys[key]), [[at, entries[entry]] for at, entry in placed.items()]]
                 for key, placed in wanted.rows.items()
             ],
-            "entries": [[entries[key], key_name(key), applied] for key, applied in wanted.entries.items()],
+            "entries": [[entries[key], content_name(key), applied] for key, applied in wanted.entries.items()],
         }
         return True
 
     def release(self, request_id: str) -> None:
         """A request finished (or was aborted): its rows and entries go back to the pool."""
-        wanted = self.held.pop(request_id, None)
-        if wanted is not None:
-            self.rows.give_back(wanted.rows)
-            self.entries.give_back(wanted.entries)
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.entries.give_back(held[0])
+            self.rows.give_back(held[1])
 
 
 __all__ = [
@@ -219,7 +237,7 @@ __all__ = [
     "Slots",
     "SteeringPool",
     "applied_order",
-    "key_name",
+    "content_name",
     "location",
     "locations",
     "needs",
