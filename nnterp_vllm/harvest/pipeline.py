@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from ..capture import Capture
-from .compute import Job, Unit, metadata
+from .compute import Job, Unit, metadata, shard_record
 from .in_engine import EngineHarvester
 from .layouts import Columns, Safetensors, layout_of
-from .store import Placed, place_shard
+from .store import Placed, own_record, place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -79,7 +79,8 @@ def shards(
     kinds = {"all": Capture(wanted, "all", job.dtype), "last": Capture(wanted, "last", job.dtype)}
     dtype = getattr(torch, job.dtype)
     names = kinds["all"].names(harvester.num_layers)
-    in_place = isinstance(layout_of(job.settings), Safetensors)
+    location = job.location()
+    in_place = isinstance(layout_of(job.settings), Safetensors) and location.local is not None
     feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
@@ -93,7 +94,8 @@ def shards(
         placed, start = None, 0
         if in_place:
             room = [(name, dtype, list(shape[1:])) for name in names]
-            placed, start = place_shard(Path(job.out), unit.index, columns, room)
+            own = own_record(shard_record(unit, columns), job.settings)
+            placed, start = place_shard(location.local, unit.index, columns, room, own)
         region = SharedRows(*shape, dtype, file=placed, start=start)
         shard = OpenShard(unit, columns, region, names, placed)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
