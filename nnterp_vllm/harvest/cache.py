@@ -42,15 +42,24 @@ class BlockCache:
 
     def __init__(self, directory: Path | str | None = None, max_bytes: int = CACHE_BYTES) -> None:
         self.directory = Path(directory) if directory is not None else default_directory()
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
-        #: Each cached block's file name -> its size, least recently read first.
+        #: Each cached block's file name -> its size, least recently read first (what the directory held is
+        #: read at the first read: opening a harvest creates nothing).
         self.blocks: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.opened = False
+        #: Bytes fetched from the store so far.
+        self.fetched = 0
+
+    def _open_directory(self) -> None:
+        """Take in what the directory holds (made if missing), oldest first, within the bound (under the lock)."""
+        if self.opened:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
         found = [path for path in self.directory.iterdir() if path.suffix == ".block"]
         for path in sorted(found, key=lambda path: path.stat().st_mtime):
             self.blocks[path.name] = path.stat().st_size
-        self.fetched = 0
+        self.opened = True
         self._evict(set())
 
     def source(self, location: Location, record: dict[str, Any]) -> CachedSource:
@@ -66,6 +75,7 @@ class BlockCache:
         """Have blocks ``numbers`` of the shard cached, fetching the missing ones in one concurrent call."""
         prefix = _prefix(record)
         with self.lock:
+            self._open_directory()
             missing = [n for n in numbers if f"{prefix}-{n}.block" not in self.blocks]
             for n in numbers:
                 if f"{prefix}-{n}.block" in self.blocks:
