@@ -35,7 +35,7 @@ from ..capture import Capture
 from .compute import Job, Unit, metadata, shard_record
 from .in_engine import EngineHarvester
 from .layouts import Columns, Safetensors, layout_of
-from .store import Placed, own_record, place_shard
+from .store import HarvestError, Placed, own_record, place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -52,8 +52,8 @@ class OpenShard:
     region: Any
     names: list[str]
     placed: Path | None
-    #: Each capturing request's id -> (its capture key, the first region row that is its).
-    requests: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: Each capturing request's id -> (its capture key, the first region row that is its, how many rows it keeps).
+    requests: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     #: Prompt tokens of the running requests.
     tokens: int = 0
@@ -99,7 +99,7 @@ def shards(
         region = SharedRows(*shape, dtype, file=placed, start=start)
         shard = OpenShard(unit, columns, region, names, placed)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
-        prompts, captures, destinations = [], [], []
+        prompts, captures, destinations, kept_rows = [], [], [], []
         first = 0
         for row, count, positions in zip(unit.rows, counts, kept):
             if count:  # a row that keeps nothing is not run
@@ -109,10 +109,11 @@ def shards(
                 else:
                     captures.append(Capture(wanted, positions.nonzero().flatten().tolist(), dtype))
                 destinations.append(region.destination(first))
+                kept_rows.append(count)
             first += count
         submitted = llm.submit(prompts, params, capture=captures, destinations=destinations) if prompts else []
-        for (request_id, wire), destination, prompt in zip(submitted, destinations, prompts):
-            shard.requests[request_id] = (wire["key"], destination["first"])
+        for (request_id, wire), destination, prompt, count in zip(submitted, destinations, prompts, kept_rows):
+            shard.requests[request_id] = (wire["key"], destination["first"], count)
             shard.tokens += len(prompt["prompt_token_ids"])
             owner[request_id] = shard
         shard.running = set(shard.requests)
@@ -121,11 +122,22 @@ def shards(
         return shard
 
     def finish(shard: OpenShard) -> tuple[Columns, Placed | None]:
-        taken = llm.take_captured([key for key, _ in shard.requests.values()]) if shard.requests else {}
-        for key, first in shard.requests.values():
-            rows = next(iter(taken.get(key, {}).values()), None)  # one request (one completion) per capture key
+        taken = llm.take_captured([key for key, *_ in shard.requests.values()]) if shard.requests else {}
+        missing = 0
+        for key, first, count in shard.requests.values():
+            if not taken.get(key):  # rows that never reached the shard: never recorded as zeros
+                missing += count
+                continue
+            rows = next(iter(taken[key].values()))  # one request (one completion) per capture key
             if rows is not None:  # kept by a worker that could not map the region
-                shard.region.fill(first, {name: unpack(found) for name, found in rows.items()}, shard.names)
+                rows = {name: unpack(found) for name, found in rows.items()}
+                missing += max(count - len(found) for found in rows.values())
+                shard.region.fill(first, rows, shard.names)
+        if missing:
+            shard.region.close()
+            if shard.placed is not None:
+                shard.placed.unlink(missing_ok=True)
+            raise lost_rows(shard, missing)
         placed = None if shard.placed is None else Placed(shard.placed, shard.region.chunk_digests())
         shard.region.close()
         return shard.columns, placed
@@ -159,10 +171,24 @@ def shards(
             engine.abort_request(running, internal=True)
         for shard in opened:
             if shard.requests:
-                llm.take_captured([key for key, _ in shard.requests.values()])
+                llm.take_captured([key for key, *_ in shard.requests.values()])
             shard.region.close()
             if shard.placed is not None:
                 shard.placed.unlink(missing_ok=True)
 
 
-__all__ = ["FEED_STEPS", "shards"]
+def lost_rows(shard: OpenShard, missing: int) -> HarvestError:
+    """The error of a shard some of whose rows never reached it (the shard is not recorded, nor written)."""
+    from ..engines.capture import FINISHED_KEPT
+
+    where = f"its file {shard.placed}" if shard.placed is not None else "its shared memory"
+    return HarvestError(
+        f"{missing} rows of shard {shard.unit.index} never reached it, so it is not recorded: the engine's worker "
+        f"could not write into {where} (its log says why) and kept the rows of finished requests in its own memory, "
+        f"dropping the oldest past {FINISHED_KEPT} of them. Let the engine's worker open the --out directory (run "
+        "the engine on the host that holds it, with the same permissions), or harvest with smaller shards "
+        "(shard_bytes / --shard-mb), then rerun the same command to resume."
+    )
+
+
+__all__ = ["FEED_STEPS", "lost_rows", "shards"]
