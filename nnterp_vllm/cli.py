@@ -50,7 +50,6 @@ def _harvest(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             model_kwargs=model_kwargs,
             tokens_per_second=args.tokens_per_second,
-            out=args.out,
         )
         print(describe(found))
         return 0
@@ -167,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
         help="print bytes per token, the run's size and the write bandwidth needed; start no engine",
     )
     harvest.add_argument(
-        "--tokens-per-second", type=float, help="with --plan: the engine's tokens/s (default: measured in --out)"
+        "--tokens-per-second", type=float, help="with --plan: the engine's tokens/s (a harvest's summary line shows it)"
     )
     harvest.set_defaults(run=_harvest)
     sweep = commands.add_parser(

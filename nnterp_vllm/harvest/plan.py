@@ -3,7 +3,7 @@
 The model is built weightless (no engine, no weights: nnsight's meta tree, which names and sizes every value) and
 the corpus read through the tokenizer into the harvest's own rows, so the figures are the harvest's: bytes per
 token of the selected values (and of the four per-token metadata columns), the whole run's size, and, for the
-engine's tokens/s (stated, or measured by an earlier run into the same ``out``), the bandwidth the store must
+engine's tokens/s (as a harvest's summary line or `benchmarks/harvest.py` measures it), the bandwidth the store must
 sustain to keep up.
 """
 
@@ -16,7 +16,6 @@ from .corpus import ContextSettings, Corpus, CorpusStats, rows
 from .layouts import METADATA
 from .run import _check_format, _value_entries, value_bytes, whole_rows
 from .selection import check_selectors, parse
-from .store import HarvestError, read_manifest
 
 #: Bytes of a token's metadata columns (``token_ids``, ``documents``, ``offsets``, ``rows``: int64 each).
 METADATA_BYTES = 8 * len(METADATA)
@@ -37,12 +36,10 @@ def plan(
     dtype: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
     tokens_per_second: float | None = None,
-    out: Any = None,
-    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The I/O plan of the harvest these arguments (as `harvest` takes them) describe: ``bytes_per_token``,
-    ``tokens`` kept over the corpus, ``total_bytes``, and, given the engine's tokens/s (``tokens_per_second``, else
-    the one measured by a finished harvest in ``out``), ``write_bytes_per_second`` the store needs."""
+    ``tokens`` kept over the corpus, ``total_bytes``, and, given the engine's tokens/s (``tokens_per_second``: what
+    a harvest's progress bar or summary line shows, or a benchmark's), ``write_bytes_per_second`` the store needs."""
     if positions not in ("all", "last"):
         raise ValueError(f"--plan takes positions 'all' or 'last', got {positions!r}")
     if tokens_per_second is not None and not tokens_per_second > 0:
@@ -61,13 +58,6 @@ def plan(
     if format == "sae-lens":
         stream = whole_rows(stream, context_length, stats)
     tokens = sum(len(row) if positions == "all" else 1 for row in stream)
-    measured = "stated"
-    if tokens_per_second is None and out is not None:
-        try:
-            tokens_per_second = read_manifest_rate(out, storage_options)
-            measured = f"measured by the harvest in {out}"
-        except HarvestError:
-            pass
     return {
         "values": [selection.name for selection in selections],
         "dtype": dtype,
@@ -77,19 +67,8 @@ def plan(
         "documents": stats.documents,
         "total_bytes": tokens * per_token,
         "tokens_per_second": tokens_per_second,
-        "rate_source": measured if tokens_per_second else None,
         "write_bytes_per_second": tokens_per_second * per_token if tokens_per_second else None,
     }
-
-
-def read_manifest_rate(out: Any, storage_options: dict[str, Any] | None) -> float | None:
-    """The tokens/s a finished harvest in ``out`` measured (HarvestError where there is none)."""
-    from .location import Location
-
-    rate = read_manifest(Location.of(out, storage_options)).get("measured", {}).get("tokens_per_second")
-    if not rate:
-        raise HarvestError(f"{out} records no measured tokens/s")
-    return float(rate)
 
 
 def describe(found: dict[str, Any]) -> str:
@@ -104,7 +83,7 @@ def describe(found: dict[str, Any]) -> str:
     ]
     if found["write_bytes_per_second"]:
         lines.append(
-            f"to keep up with {found['tokens_per_second']:,.0f} tokens/s ({found['rate_source']}), the store must "
+            f"to keep up with {found['tokens_per_second']:,.0f} tokens/s, the store must "
             f"take {found['write_bytes_per_second'] / 1e6:,.1f} MB/s"
         )
     else:

@@ -435,7 +435,6 @@ def harvest(
                         if leader is not None:
                             leader.send(unit, job)
                         writer.put(unit, compute(model, unit, job))
-        store.manifest["measured"] = {"tokens_per_second": bar.tokens / max(time.perf_counter() - bar.start, 1e-9)}
         store.finish(stats.as_dict(), documents.hexdigest())
         print(bar.summary(store.out))
     return load_harvest(out, storage_options=storage_options)
