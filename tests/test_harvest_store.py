@@ -1,0 +1,221 @@
+"""Harvests written straight to an object store (a real S3 server, SeaweedFS, on loopback) and read back from it.
+
+Each store harvest is checked byte for byte against the same harvest on local disk (its ground truth): every shard
+object equals the local shard file, its checksum rides in the object's metadata, a resume checks each recorded
+shard with one HEAD and recomputes what fails, and `load_harvest(url)` reads ranges through a bounded local
+cache, every token once per epoch. The two-node Ray runs are marked ``scale`` (``pytest -m scale
+tests/test_harvest_store.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import s3_server
+import tiny
+import torch
+from test_harvest import documents, write_jsonl
+
+from nnterp_vllm import load_harvest
+from nnterp_vllm.harvest import harvest
+from nnterp_vllm.harvest import run as run_module
+
+VALUES = ["layers.*.layer_output", "layers.1.mlp_output"]
+OPTIONS = {"shard_bytes": 20_000, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def store():
+    """The S3 server, its environment set for this module's clients; a fresh bucket per test (`bucket`)."""
+    with s3_server.s3_server() as server:
+        before = {key: os.environ.get(key) for key in server.environment}
+        os.environ.update(server.environment)
+        try:
+            yield server
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def shared_bucket(store):
+    return store.bucket("harvests")
+
+
+@pytest.fixture
+def bucket(shared_bucket, request):
+    """A prefix of the module's bucket of the test's own (each bucket is a collection of volumes to the server)."""
+    return f"{shared_bucket}/" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:60]
+
+
+@pytest.fixture(scope="module")
+def llama_path():
+    return tiny.checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def on_disk(llama_path, tmp_path_factory):
+    """The ground truth: the same harvest on local disk."""
+    return harvest(llama_path, documents(24, seed=3), VALUES, tmp_path_factory.mktemp("disk") / "out", **OPTIONS)
+
+
+def objects(url: str) -> dict[str, bytes]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    return {path.rsplit("/", 1)[-1]: fs.cat_file(path) for path in fs.find(root)}
+
+
+def assert_same_shards(url: str, local) -> None:
+    stored = objects(url)
+    files = [path.name for path in local.shards]
+    assert len(files) > 2 and sorted(name for name in stored if name.startswith("shard-")) == files
+    for path in local.shards:
+        assert stored[path.name] == path.read_bytes(), path.name
+
+
+def test_a_harvest_to_s3_is_the_harvest_on_disk_byte_for_byte(llama_path, on_disk, bucket):
+    url = f"{bucket}/run"
+    harvested = harvest(llama_path, documents(24, seed=3), VALUES, url, **OPTIONS)
+    assert_same_shards(url, on_disk)
+    assert harvested.path == url and harvested.manifest["complete"]
+    fs = harvested.location.fs
+    for record in harvested.records:  # the checksum, in the manifest and in the object's metadata
+        bucket_name, prefix = bucket[5:].split("/", 1)
+        head = fs.call_s3("head_object", Bucket=bucket_name, Key=f"{prefix}/run/{record['file']}")
+        assert head["Metadata"]["nnterp-checksum"] == f"xxh3_128:{record['xxh3_128']}"
+        assert record["xxh3_128"] == on_disk.manifest["shards"][str(record["index"])]["xxh3_128"]
+    assert not any(key in json.dumps(harvested.manifest) for key in ("harvest-tests", "AWS_"))  # no credentials
+    harvested.verify()
+
+
+def test_a_resume_heads_each_shard_and_recomputes_what_fails(llama_path, on_disk, bucket, monkeypatch):
+    """Killed after two shards (a forward fails), the rerun finishes the rest; a shard removed from the store, one
+    replaced by other bytes and one whose metadata lost its checksum are found with a HEAD each and recomputed."""
+    url, docs = f"{bucket}/run", documents(24, seed=3)
+    compute, computed = run_module.compute, []
+
+    def fails_on_the_third(model, unit, job):
+        if len(computed) == 2:
+            raise RuntimeError("the forward failed")
+        computed.append(unit.index)
+        return compute(model, unit, job)
+
+    monkeypatch.setattr(run_module, "compute", fails_on_the_third)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        harvest(llama_path, docs, VALUES, url, **OPTIONS)
+    monkeypatch.setattr(run_module, "compute", lambda m, u, j: computed.append(u.index) or compute(m, u, j))
+    computed.clear()
+    done = harvest(llama_path, docs, VALUES, url, **OPTIONS)
+    assert computed == list(range(2, len(on_disk.shards)))
+    assert_same_shards(url, on_disk)
+    fs, root = done.location.fs, done.location.root
+    fs.rm_file(f"{root}/shard-00000.safetensors")
+    fs.pipe_file(f"{root}/shard-00001.safetensors", b"other bytes")
+    data = fs.cat_file(f"{root}/shard-00002.safetensors")
+    fs.pipe_file(f"{root}/shard-00002.safetensors", data)  # the same bytes, no checksum in its metadata
+    computed.clear()
+    harvest(llama_path, docs, VALUES, url, **OPTIONS)
+    assert computed == [0, 1, 2]
+    assert_same_shards(url, on_disk)
+
+
+def test_batches_from_the_store_read_ranges_through_a_bounded_cache(llama_path, on_disk, bucket, tmp_path):
+    url = f"{bucket}/run"
+    harvest(llama_path, documents(24, seed=3), VALUES, url, **OPTIONS)
+    total = sum(record["bytes"] for record in on_disk.records)
+    from nnterp_vllm.harvest import cache as cache_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache_module, "BLOCK", 4096)
+        remote = load_harvest(url, cache_dir=tmp_path / "cache", cache_bytes=64 * 1024)
+        for shuffle in (False, True):
+            seen = torch.cat([batch["token_ids"] for batch in remote.batches(7, shuffle=shuffle, values=["token_ids"])])
+            assert sorted(seen.tolist()) == sorted(on_disk.load("token_ids").tolist())  # every token once
+        assert remote.cache.fetched < total / 3  # the one column asked for, not whole shards
+        name = "layers.2.layer_output"
+        want = {int(t): v for t, v in zip(torch.arange(len(on_disk)), on_disk.load(name))}
+        for batch in remote.batches(5, shuffle=True, seed=1, values=[name, "token_ids", "rows", "documents"]):
+            assert batch[name].shape[1:] == want[0].shape
+        for name in on_disk.values:
+            assert torch.equal(remote.load(name), on_disk.load(name))
+        blocks = list((tmp_path / "cache").glob("*.block"))
+        assert sum(path.stat().st_size for path in blocks) <= 64 * 1024 + 3 * 4096  # the bound, and one read's own
+    copy = remote.download(tmp_path / "copy")
+    assert [path.read_bytes() for path in copy.shards] == [path.read_bytes() for path in on_disk.shards]
+
+
+def test_a_sae_lens_harvest_on_the_store_is_the_dataset_datasets_reads(llama_path, bucket, tmp_path, store):
+    import datasets
+
+    options = {"format": "sae-lens", "context_length": 16, "dtype": "float32", **OPTIONS}
+    local = harvest(llama_path, documents(30, seed=2), ["layers.1.layer_output"], tmp_path / "local", **options)
+    url = f"{bucket}/sae"
+    remote = harvest(llama_path, documents(30, seed=2), ["layers.1.layer_output"], url, **options)
+    stored = objects(url)
+    for path in local.shards:
+        assert stored[path.name] == path.read_bytes()
+    assert torch.equal(remote.load("layers.1.layer_output"), local.load("layers.1.layer_output"))
+    options = {"endpoint_url": store.endpoint, "key": "any", "secret": "any"}
+    from_store = datasets.load_from_disk(url, storage_options=options)
+    from_disk = datasets.load_from_disk(str(tmp_path / "local"))
+    assert from_store.column_names == from_disk.column_names and len(from_store) == len(from_disk) > 1
+    column = local.manifest["values"]["layers.1.layer_output"]["column"]
+    assert from_store[:][column] == from_disk[:][column]
+
+
+def test_a_vllm_harvest_in_the_engine_to_s3_is_the_one_on_disk(llama_path, bucket, tmp_path):
+    from nnterp_vllm import SteeredVLLM
+
+    engine = SteeredVLLM(llama_path, dtype="float32", capture_values=VALUES, enable_prefix_caching=False)
+    try:
+        local = harvest(engine, documents(24, seed=3), VALUES, tmp_path / "local", **OPTIONS)
+        url = f"{bucket}/vllm"
+        remote = harvest(engine, documents(24, seed=3), VALUES, url, **OPTIONS)
+    finally:
+        engine.shutdown()
+    assert remote.manifest["vllm_path"] == "engine"
+    assert_same_shards(url, local)
+
+
+@pytest.mark.parametrize(
+    "out, options, message",
+    [
+        ("nosuch://bucket/run", None, r"'nosuch://bucket/run'.*fsspec serves"),
+        ("local-directory", {"key": "x"}, r"storage_options are for a URL"),
+    ],
+    ids=["unknown-protocol", "options-for-a-path"],
+)
+def test_an_output_no_store_serves_is_refused_before_any_work(llama_path, tmp_path, out, options, message):
+    with pytest.raises(ValueError, match=message):
+        harvest(llama_path, ["a b"], VALUES, out, storage_options=options, progress=False)
+    assert not Path("local-directory").exists()
+
+
+def test_a_missing_bucket_is_refused_before_the_model_loads(llama_path, store, monkeypatch):
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(OSError, match=r"the bucket s3://no-such-bucket of --out .* does not exist.*create it"):
+        harvest(llama_path, ["a b"], VALUES, "s3://no-such-bucket/run", progress=False)
+
+
+def test_the_plan_prints_bytes_per_token_the_run_size_and_the_bandwidth(llama_path, on_disk, tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(24, seed=3))
+    command = [sys.executable, "-m", "nnterp_vllm.cli", "harvest", str(llama_path), "--corpus", str(corpus)]
+    command += ["--values", *VALUES, "--out", str(tmp_path / "never"), "--plan", "--tokens-per-second", "1000"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    per_token = sum(record["bytes"] for record in on_disk.records)  # header bytes aside: the shards' own bytes
+    tokens = len(on_disk)
+    values = 4 * 128 * 4  # four [128] float32 values
+    assert f"bytes per token: {values + 32:,} ({values:,} of values, 32 of token metadata)" in run.stdout
+    assert f"the run: {tokens:,} tokens kept from 24 documents" in run.stdout
+    assert f"the store must take {1000 * (values + 32) / 1e6:,.1f} MB/s" in run.stdout
+    assert per_token >= tokens * (values + 32) and not (tmp_path / "never").exists()
