@@ -24,7 +24,11 @@ from pathlib import Path
 
 WEED = str(Path(sys.executable).with_name("weed"))
 #: What an S3 client reads to reach the server (the keys are any: the server checks none).
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "harvest-tests", "AWS_SECRET_ACCESS_KEY": "harvest-tests", "AWS_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "harvest-tests",
+    "AWS_SECRET_ACCESS_KEY": "harvest-tests",
+    "AWS_REGION": "us-east-1",
+}
 
 
 def free_ports(count: int) -> list[int]:

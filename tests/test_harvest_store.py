@@ -219,3 +219,95 @@ def test_the_plan_prints_bytes_per_token_the_run_size_and_the_bandwidth(llama_pa
     assert f"the run: {tokens:,} tokens kept from 24 documents" in run.stdout
     assert f"the store must take {1000 * (values + 32) / 1e6:,.1f} MB/s" in run.stdout
     assert per_token >= tokens * (values + 32) and not (tmp_path / "never").exists()
+
+
+# -- two Ray nodes standing in for two machines ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(store, tmp_path_factory):
+    """A Ray cluster of two nodes (one CPU each) on loopback, each started in a working and temporary directory of
+    its own with the store's environment; its address and those directories. Stopped by PID."""
+    import shutil
+    import tempfile
+
+    from test_scale import RAY, clean_env, free_port, stop_processes_of
+
+    directories = [Path(tempfile.mkdtemp(prefix="nnterp-node-")) for _ in range(2)]
+    port = free_port()
+    try:
+        for number, directory in enumerate(directories):
+            role = ["--head", "--port", str(port), "--include-dashboard", "false"] if number == 0 else []
+            role += ["--temp-dir", str(directory)] if number == 0 else ["--address", f"127.0.0.1:{port}"]
+            env = clean_env(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(directory), TMPDIR=str(directory))
+            run = subprocess.run(
+                [RAY, "start", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats", *role],
+                env={**env, **store.environment},
+                cwd=directory,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        yield f"127.0.0.1:{port}", directories
+    finally:
+        stop_processes_of(directories)
+        for directory in directories:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def command_line(llama_path: Path, corpus: Path, out: str, engine: str, *more: str) -> list[str]:
+    command = [sys.executable, "-m", "nnterp_vllm.cli", "harvest", str(llama_path), "--corpus", str(corpus)]
+    command += ["--engine", engine, "--values", "layers.*.layer_output", "--model-dtype", "float32"]
+    return [*command, "--shard-mb", "0.02", "--quiet", "--out", out, *more]
+
+
+@pytest.mark.scale
+def test_two_nodes_harvest_straight_to_s3_as_one_local_worker_does(two_nodes, bucket, llama_path, tmp_path, store):
+    """``--workers 2`` on two Ray nodes, each replica writing only through the store: on both engines every shard
+    object equals a single local worker's file; a vLLM run killed mid-way and rerun ends the same; a local --out
+    is refused before any work (both fixes named); the nodes' own directories hold no shard."""
+    import signal
+    import time
+
+    import fsspec
+    from test_scale import clean_env
+
+    address, directories = two_nodes
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(40, seed=4))
+    env = clean_env(**store.environment)
+    workers = ["--workers", "2", "--ray-address", address]
+    for engine in ("hf", "vllm"):
+        one = subprocess.run(command_line(llama_path, corpus, str(tmp_path / engine), engine), env=env, timeout=900)
+        assert one.returncode == 0
+        url = f"{bucket}/{engine}"
+        if engine == "vllm":  # killed once a shard landed, then rerun
+            process = subprocess.Popen(command_line(llama_path, corpus, url, engine, *workers), env=env)
+            fs, root = fsspec.core.url_to_fs(url)
+            deadline = time.monotonic() + 600
+            while not fs.exists(f"{root}/manifest.json") or not json.loads(fs.cat_file(f"{root}/manifest.json"))[
+                "shards"
+            ]:
+                assert process.poll() is None and time.monotonic() < deadline
+                time.sleep(0.5)
+                fs.invalidate_cache()
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        run = subprocess.run(command_line(llama_path, corpus, url, engine, *workers), env=env, timeout=900)
+        assert run.returncode == 0
+        local = load_harvest(tmp_path / engine)
+        assert_same_shards(url, local)
+        remote = load_harvest(url, cache_dir=tmp_path / f"cache-{engine}")
+        seen = torch.cat([batch["token_ids"] for batch in remote.batches(16, values=["token_ids"])])
+        assert sorted(seen.tolist()) == sorted(local.load("token_ids").tolist())
+    refused = subprocess.run(
+        command_line(llama_path, corpus, str(tmp_path / "local"), "vllm", *workers),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert refused.returncode == 2 and "--shared-filesystem" in refused.stderr and "s3://" in refused.stderr
+    assert not (tmp_path / "local").exists()
+    for directory in directories:
+        assert not [path for path in directory.rglob("shard-*")], directory
