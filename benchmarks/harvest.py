@@ -27,7 +27,7 @@ with ``--out s3://bucket/prefix`` (the store's usual environment: ``AWS_ENDPOINT
 vLLM as (f), to the store, in the same alternating rounds as (f) to disk and (g), and reading (f)'s harvest back
 from disk against (s)'s from the store (through the read-through cache, first pass cold). (a)-(c), (g)/(f) and the
 peers run in alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median
-of the rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length 
+of the rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length
 (as SAELens does; every measurement), and ``short``, whole short documents as they come (the vLLM measurements).
 
 Tokens/s and CPU time exclude model loading (CPU time: every thread of every process of the measurement, an
