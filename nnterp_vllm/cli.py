@@ -33,47 +33,36 @@ def _harvest(args: argparse.Namespace) -> int:
             model_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         elif args.tensor_parallel_size > 1:
             model_kwargs["tp_size"] = args.tensor_parallel_size
+    # What the harvest and its plan both take.
+    common = {
+        "engine": args.engine,
+        "format": args.format,
+        "positions": args.positions,
+        "context_length": args.context_length,
+        "overflow": args.overflow,
+        "add_bos": not args.no_bos,
+        "text_field": args.text_field,
+        "dtype": args.dtype,
+        "model_kwargs": model_kwargs,
+    }
     if args.plan:
         from .harvest.plan import describe, plan
 
-        found = plan(
-            model,
-            args.corpus,
-            args.values,
-            engine=args.engine,
-            format=args.format,
-            positions=args.positions,
-            context_length=args.context_length,
-            overflow=args.overflow,
-            add_bos=not args.no_bos,
-            text_field=args.text_field,
-            dtype=args.dtype,
-            model_kwargs=model_kwargs,
-            tokens_per_second=args.tokens_per_second,
-        )
-        print(describe(found))
+        print(describe(plan(model, args.corpus, args.values, tokens_per_second=args.tokens_per_second, **common)))
         return 0
     result = harvest(
         model,
         args.corpus,
         args.values,
         args.out,
-        engine=args.engine,
-        format=args.format,
-        positions=args.positions,
-        context_length=args.context_length,
-        overflow=args.overflow,
-        add_bos=not args.no_bos,
-        text_field=args.text_field,
         batch_size=args.batch_size,
         shard_bytes=int(args.shard_mb * 2**20),
-        dtype=args.dtype,
         overwrite=args.overwrite,
         workers=args.workers,
         ray_address=args.ray_address,
-        model_kwargs=model_kwargs,
         progress=not args.quiet,
         shared_filesystem=args.shared_filesystem,
+        **common,
     )
     print(f"activations: {result.path} ({len(result)} tokens, {len(result.shards)} shards, values {result.values})")
     print(f"load them with: from nnterp_vllm import load_harvest; harvest = load_harvest({str(result.path)!r})")

@@ -231,6 +231,18 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     assert shard_digests(out) == shard_digests(reference_out)
 
 
+def fails_on_the_third(compute, computed: list[int]):
+    """``compute``, failing on the third unit it is given; the units computed before are added to ``computed``."""
+
+    def failing(model, unit, job):
+        if len(computed) == 2:
+            raise RuntimeError("the forward failed")
+        computed.append(unit.index)
+        return compute(model, unit, job)
+
+    return failing
+
+
 def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(llama, tmp_path, monkeypatch):
     """Shards are written on a thread while the next one is computed: an error in that computation still
     finishes, records and keeps the shard under way, and the rerun computes only the rest."""
@@ -241,14 +253,7 @@ def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(l
         llama, docs, ["layers.0.layer_output"], tmp_path / "reference", shard_bytes=20_000, progress=False
     )
     compute, computed = run_module.compute, []
-
-    def fails_on_the_third(model, unit, job):
-        if len(computed) == 2:
-            raise RuntimeError("the forward failed")
-        computed.append(unit.index)
-        return compute(model, unit, job)
-
-    monkeypatch.setattr(run_module, "compute", fails_on_the_third)
+    monkeypatch.setattr(run_module, "compute", fails_on_the_third(compute, computed))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="the forward failed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)

@@ -19,7 +19,7 @@ import pytest
 import s3_server
 import tiny
 import torch
-from test_harvest import documents, write_jsonl
+from test_harvest import documents, fails_on_the_third, write_jsonl
 
 from nnterp_vllm import load_harvest
 from nnterp_vllm.harvest import harvest
@@ -102,14 +102,7 @@ def test_a_resume_heads_each_shard_and_recomputes_what_fails(llama_path, on_disk
     replaced by other bytes and one whose metadata lost its checksum are found with a HEAD each and recomputed."""
     url, docs = f"{bucket}/run", documents(24, seed=3)
     compute, computed = run_module.compute, []
-
-    def fails_on_the_third(model, unit, job):
-        if len(computed) == 2:
-            raise RuntimeError("the forward failed")
-        computed.append(unit.index)
-        return compute(model, unit, job)
-
-    monkeypatch.setattr(run_module, "compute", fails_on_the_third)
+    monkeypatch.setattr(run_module, "compute", fails_on_the_third(compute, computed))
     with pytest.raises(RuntimeError, match="the forward failed"):
         harvest(llama_path, docs, VALUES, url, **OPTIONS)
     monkeypatch.setattr(run_module, "compute", lambda m, u, j: computed.append(u.index) or compute(m, u, j))
