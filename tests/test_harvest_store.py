@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import s3_server
+import test_harvest
 import tiny
 import torch
 from test_harvest import documents, fails_on_the_third, write_jsonl
@@ -163,6 +164,38 @@ def test_a_sae_lens_harvest_on_the_store_is_the_dataset_datasets_reads(llama_pat
     assert from_store.column_names == from_disk.column_names and len(from_store) == len(from_disk) > 1
     column = local.manifest["values"]["layers.1.layer_output"]["column"]
     assert from_store[:][column] == from_disk[:][column]
+
+
+#: SAELens's trainer, given the harvests by URL: it reads batches straight from the store, and trains from the
+#: sae-lens layout copied down (SAELens checks ``os.path.exists(cached_activations_path)`` before ``datasets`` reads).
+STORE_TRAINER = """
+import sys
+from nnterp_vllm import load_harvest
+sys.argv[2] = str(load_harvest(sys.argv[2]).download(sys.argv[5]).path)
+""" + test_harvest.TRAINER_SCRIPT
+
+
+def test_saelens_trains_from_a_harvest_on_the_store(llama_path, bucket, tmp_path):
+    """The trainer's environment (no nnsight, no vLLM imported) reads the safetensors harvest's batches from the
+    store and SAELens's own runner trains an SAE from the sae-lens harvest on the store, as from disk."""
+    values = ["layers.1.layer_output", "layers.2.mlp_output"]
+    options = {"context_length": 32, "shard_bytes": 40_000, "progress": False, "overflow": "pack"}
+    harvest(llama_path, documents(16, seed=7), values, f"{bucket}/default", **options)
+    harvest(llama_path, documents(16, seed=7), values, f"{bucket}/sae-lens", format="sae-lens", **options)
+    (tmp_path / "text").mkdir()
+    write_jsonl(tmp_path / "text" / "train.jsonl", documents(4))
+    arguments = [f"{bucket}/default", f"{bucket}/sae-lens", tmp_path / "text", str(llama_path), tmp_path / "copy"]
+    result = subprocess.run(
+        [sys.executable, "-c", STORE_TRAINER, *map(str, arguments)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == []
+    assert report["after"] < report["before"] / 4, report
 
 
 def test_a_vllm_harvest_in_the_engine_to_s3_is_the_one_on_disk(llama_path, bucket, tmp_path):

@@ -103,7 +103,12 @@ class Location:
     # -- files, on the store ------------------------------------------------------------------------------------
 
     def exists(self, name: str) -> bool:
-        return os.path.exists(self.path(name)) if self.local is not None else self.fs.exists(self.path(name))
+        """Whether ``name`` is there now (on a store, asked of the store: no listing cached earlier is trusted, as
+        replicas elsewhere write here too)."""
+        if self.local is not None:
+            return os.path.exists(self.path(name))
+        self.fs.invalidate_cache(self.root)
+        return self.fs.exists(self.path(name))
 
     def read_bytes(self, name: str) -> bytes:
         """The bytes of ``name``; FileNotFoundError where it is missing."""
@@ -183,6 +188,7 @@ class Location:
         """The names in this directory matching any of ``patterns`` (globs)."""
         if self.local is not None:
             return sorted({path.name for pattern in patterns for path in self.local.glob(pattern)})
+        self.fs.invalidate_cache(self.root)
         found = {posixpath.basename(path) for pattern in patterns for path in self.fs.glob(self.path(pattern))}
         return sorted(found)
 
