@@ -439,10 +439,11 @@ def main() -> None:
                     print(f"  {workload} {name}: failed\n{done.stderr[-3000:]}")
                     continue
                 results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-                first = results[name][0]["runs"][0]
-                known.setdefault("tokens", first["tokens"])
-                if name == "vllm":
-                    known.setdefault("bytes", first["bytes"])
+                if "runs" in results[name][0]:  # a measurement of reading has none
+                    first = results[name][0]["runs"][0]
+                    known.setdefault("tokens", first["tokens"])
+                    if name == "vllm":
+                        known.setdefault("bytes", first["bytes"])
         report(results, args, workload)
 
 

@@ -95,6 +95,8 @@ def s3_server() -> Iterator[S3Server]:
         "-s3",
         f"-s3.port={s3}",
         f"-s3.localSocket={sockets / 's3.sock'}",
+        "-s3.port.iceberg=0",  # no Iceberg catalog, no Lance namespace: their fixed ports would keep two servers apart
+        "-s3.port.lance=0",
         "-volume.max=64",
         "-master.volumeSizeLimitMB=256",
     ]

@@ -407,7 +407,7 @@ def test_bad_corpora_are_refused_before_the_model_loads(llama_path, tmp_path, no
         ({"overflow": "wrap"}, ValueError, "overflow must be one of.*'wrap'"),
         ({"model_kwargs": "float16"}, TypeError, "model_kwargs must be a dict"),
         ({"model": 123}, TypeError, "model must be a checkpoint directory.*not a int"),
-        ({"out": None}, TypeError, "out must be a directory path, not None"),
+        ({"out": None}, TypeError, r"out must be a directory path or a URL \(s3://bucket/run, ...\), not None"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_model_loads(llama_path, tmp_path, no_model_load, kwargs, error, message):

@@ -98,6 +98,33 @@ def test_a_harvest_to_s3_is_the_harvest_on_disk_byte_for_byte(llama_path, on_dis
     harvested.verify()
 
 
+def test_an_object_is_uploaded_in_parts_several_at_once_and_appears_only_whole(bucket, monkeypatch):
+    """A multipart upload (parts made small here) streams the buffers in parts, several on their way at once; the
+    object, with its metadata, appears once complete; an upload that fails midway is aborted: nothing appears."""
+    from nnterp_vllm.harvest import location as location_module
+    from nnterp_vllm.harvest.location import Location
+
+    monkeypatch.setattr(location_module, "PART_BYTES", 5 * 2**20)  # S3's smallest part
+    monkeypatch.setattr(location_module, "PARTS_AT_ONCE", 2)
+    place = Location.of(f"{bucket}/objects")
+    buffers = [os.urandom(3000), os.urandom(9 * 2**20), memoryview(os.urandom(3 * 2**20 + 12345))]
+    place.write_parts("whole", buffers, {"nnterp-checksum": "test:1"})  # three parts, the last one short
+    assert place.read_bytes("whole") == b"".join(bytes(b) for b in buffers)
+    assert place.head("whole") == (12 * 2**20 + 15345, {"nnterp-checksum": "test:1"})
+
+    def failing(views, size):
+        yield os.urandom(size)
+        raise OSError(28, "the buffers could not be read")
+
+    monkeypatch.setattr(location_module, "pieces", failing)
+    with pytest.raises(OSError, match="could not be read"):
+        place.write_parts("broken", buffers)
+    assert place.head("broken") is None and not place.exists("broken")
+    bucket_name, prefix = place.root.split("/", 1)
+    uploads = place.fs.call_s3("list_multipart_uploads", Bucket=bucket_name, Prefix=f"{prefix}/broken")
+    assert not uploads.get("Uploads")  # aborted, not left to linger
+
+
 def test_a_resume_heads_each_shard_and_recomputes_what_fails(llama_path, on_disk, bucket, monkeypatch):
     """Killed after two shards (a forward fails), the rerun finishes the rest; a shard removed from the store, one
     replaced by other bytes and one whose metadata lost its checksum are found with a HEAD each and recomputed."""

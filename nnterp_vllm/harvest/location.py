@@ -12,11 +12,12 @@ recorded shard with one HEAD (`Location.head`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import posixpath
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ ATOMIC_PUT = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")
 CHECKSUM_KEY = "nnterp-checksum"
 #: Bytes of each part a shard is uploaded in (S3 takes parts of 5 MiB to 5 GiB).
 PART_BYTES = 16 * 2**20
+#: Parts of one object on their way to S3 at once: the memory an upload holds is this many parts.
+PARTS_AT_ONCE = 4
 
 
 def is_url(out: Any) -> bool:
@@ -138,6 +141,9 @@ class Location:
             write_parts(self.local / name, list(parts))
             return
         target = self.path(name)
+        if self.protocol in ("s3", "s3a"):
+            self._s3_upload(target, parts, metadata or {})
+            return
         atomic = self.protocol in ATOMIC_PUT
         written = target if atomic else f"{target}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
         extra = self.metadata_arguments(metadata) if metadata else {}
@@ -157,6 +163,21 @@ class Location:
         handle.close()
         if not atomic:
             self.fs.mv(written, target)
+
+    def _s3_upload(self, target: str, parts: Sequence[Any], metadata: dict[str, str]) -> None:
+        """``parts`` as the S3 object ``target`` with ``metadata``: one put where they fit in a part, else a multipart
+        upload of `PART_BYTES` parts, `PARTS_AT_ONCE` on their way at once, completed (the object appears whole)
+        once all are up, aborted on a failure (nothing appears)."""
+        from fsspec.asyn import sync
+
+        bucket, key = target.split("/", 1)
+        views = [memoryview(part).cast("B") for part in parts]
+        extra = {"Metadata": metadata} if metadata else {}
+        if sum(view.nbytes for view in views) <= PART_BYTES:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"".join(views), **extra)
+        else:
+            sync(self.fs.loop, _multipart_upload, self.fs, bucket, key, views, extra)
+        self.fs.invalidate_cache(target)
 
     def metadata_arguments(self, metadata: dict[str, str]) -> dict[str, Any]:
         """How this store's file system takes an object's user metadata on ``open``."""
@@ -208,6 +229,51 @@ class Location:
             os.replace(temporary, target)
         finally:
             temporary.unlink(missing_ok=True)
+
+
+def pieces(views: Sequence[memoryview], size: int) -> Iterator[bytes]:
+    """The bytes of ``views`` back to back, in pieces of ``size`` (the last one shorter), each made as it is asked
+    for."""
+    piece = bytearray()
+    for view in views:
+        while view.nbytes:
+            take = min(size - len(piece), view.nbytes)
+            piece += view[:take]
+            view = view[take:]
+            if len(piece) == size:
+                yield bytes(piece)
+                piece.clear()
+    if piece:
+        yield bytes(piece)
+
+
+async def _multipart_upload(fs: Any, bucket: str, key: str, views: Sequence[memoryview], extra: dict) -> None:
+    """An S3 multipart upload of ``views`` through s3fs's client (see `Location._s3_upload`)."""
+    upload = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
+    common = {"Bucket": bucket, "Key": key, "UploadId": upload["UploadId"]}
+
+    async def send(number: int, body: bytes) -> dict[str, Any]:
+        sent = await fs._call_s3("upload_part", PartNumber=number, Body=body, **common)
+        return {"PartNumber": number, "ETag": sent["ETag"]}
+
+    done: list[dict[str, Any]] = []
+    pending: set[asyncio.Task] = set()
+    try:
+        for number, body in enumerate(pieces(views, PART_BYTES), 1):
+            if len(pending) >= PARTS_AT_ONCE:
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done += [task.result() for task in finished]
+            pending.add(asyncio.ensure_future(send(number, body)))
+        done += await asyncio.gather(*pending)
+        pending = set()
+        parts = sorted(done, key=lambda part: part["PartNumber"])
+        await fs._call_s3("complete_multipart_upload", MultipartUpload={"Parts": parts}, **common)
+    except BaseException:
+        for task in pending:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await fs._call_s3("abort_multipart_upload", **common)
+        raise
 
 
 __all__ = ["ATOMIC_PUT", "CHECKSUM_KEY", "PART_BYTES", "Location", "is_url"]
