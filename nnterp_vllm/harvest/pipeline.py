@@ -9,7 +9,9 @@ side by side. A safetensors shard's region is the shard's file itself (begun wit
 disk space taken, `store.place_shard`): the rows land where the file holds them, as the worker writes them a
 chunk at a time, straight to the disk where it can, hashing each chunk as it writes it
 (`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it. A
-sae-lens shard's region is a memory file whose columns the writer writes. Nothing is done per token, or per request
+sae-lens shard's region, and that of a shard bound for an object store, is a memory file whose columns the writer
+writes (uploads). A shard missing any row (a worker that could not open its file dropped rows it held past its
+bound) is refused, never recorded with zeros (`lost_rows`). Nothing is done per token, or per request
 beyond adding it; a shard whose requests have all finished is taken one engine step later (its last chunks are
 written meanwhile), or at once where nothing else runs: one call to the worker (to take its requests' rows, which
 frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
