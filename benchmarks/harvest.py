@@ -61,6 +61,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CORPUS = Path(__file__).resolve().parent.parent / "nnterp_vllm" / "data" / "corpus.jsonl"
 BATCH_SIZE = 8
 SHARD_BYTES = 256 * 2**20
+#: How a run's ``--shard-mb`` reaches its measurements.
+SHARD_VARIABLE = "NNTERP_BENCH_SHARD_BYTES"
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
@@ -254,7 +256,7 @@ def our_harvest(
                 context_length=context_length,
                 overflow="pack" if context_length else None,
                 batch_size=BATCH_SIZE,
-                shard_bytes=SHARD_BYTES,
+                shard_bytes=int(os.environ.get(SHARD_VARIABLE, SHARD_BYTES)),
                 progress=False,
             )
             run = measured(len(result), began, cpu)
@@ -395,10 +397,17 @@ def main() -> None:
     parser.add_argument(
         "--out", help="also harvest on vLLM to this store URL (s3://bucket/prefix) and read it back, against disk"
     )
+    parser.add_argument(
+        "--shard-mb",
+        type=float,
+        help="shard size of our harvests (default 256): a run of few shards ends with one shard's upload to a store",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--known", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.shard_mb:
+        os.environ[SHARD_VARIABLE] = str(int(args.shard_mb * 2**20))
     from nnterp_vllm.checkpoints import smollm2
 
     checkpoint = str(smollm2())
