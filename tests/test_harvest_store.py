@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from test_harvest import documents, fails_on_the_third, write_jsonl
 
 from nnterp_vllm import load_harvest
-from nnterp_vllm.harvest import harvest
+from nnterp_vllm.harvest import HarvestError, harvest
 from nnterp_vllm.harvest import run as run_module
 
 VALUES = ["layers.*.layer_output", "layers.1.mlp_output"]
@@ -83,9 +84,10 @@ def assert_same_shards(url: str, local) -> None:
         assert stored[path.name] == path.read_bytes(), path.name
 
 
-def test_a_harvest_to_s3_is_the_harvest_on_disk_byte_for_byte(llama_path, on_disk, bucket):
+def test_a_harvest_to_s3_is_the_harvest_on_disk_byte_for_byte(llama_path, on_disk, bucket, capsys):
     url = f"{bucket}/run"
     harvested = harvest(llama_path, documents(24, seed=3), VALUES, url, **OPTIONS)
+    assert re.search(rf"tokens/s, [0-9.]+ MB/s written, into {url}", capsys.readouterr().out)
     assert_same_shards(url, on_disk)
     assert harvested.path == url and harvested.manifest["complete"]
     fs = harvested.location.fs
@@ -112,7 +114,7 @@ def test_an_object_is_uploaded_in_parts_several_at_once_and_appears_only_whole(b
     assert place.read_bytes("whole") == b"".join(bytes(b) for b in buffers)
     assert place.head("whole") == (12 * 2**20 + 15345, {"nnterp-checksum": "test:1"})
 
-    def failing(views, size):
+    def failing(views, size, spare):
         yield os.urandom(size)
         raise OSError(28, "the buffers could not be read")
 
@@ -251,6 +253,23 @@ def test_an_output_no_store_serves_is_refused_before_any_work(llama_path, tmp_pa
     with pytest.raises(ValueError, match=message):
         harvest(llama_path, ["a b"], VALUES, out, storage_options=options, progress=False)
     assert not Path("local-directory").exists()
+
+
+def test_a_shard_missing_from_a_declared_shared_file_system_stops_the_harvest(tmp_path):
+    """With --shared-filesystem, the driver checks each shard a replica reports where it reads it: one that is not
+    there (the path was not shared after all), or not whole, stops the harvest naming it and both fixes."""
+    from nnterp_vllm.harvest.fanout import _checked
+    from nnterp_vllm.harvest.location import Location
+
+    recorded = []
+    check = _checked(Location.of(tmp_path), lambda index, record: recorded.append(index))
+    (tmp_path / "shard-00000.safetensors").write_bytes(b"12345")
+    check(0, {"file": "shard-00000.safetensors", "bytes": 5})
+    with pytest.raises(HarvestError, match=r"shard-00001.safetensors .* is missing on this machine.*s3://"):
+        check(1, {"file": "shard-00001.safetensors", "bytes": 5})
+    with pytest.raises(HarvestError, match=r"holds 5 bytes, not 9: --out is not a file system every node shares"):
+        check(0, {"file": "shard-00000.safetensors", "bytes": 9})
+    assert recorded == [0]
 
 
 def test_a_missing_bucket_is_refused_before_the_model_loads(llama_path, store, monkeypatch):

@@ -231,20 +231,27 @@ class Location:
             temporary.unlink(missing_ok=True)
 
 
-def pieces(views: Sequence[memoryview], size: int) -> Iterator[bytes]:
-    """The bytes of ``views`` back to back, in pieces of ``size`` (the last one shorter), each made as it is asked
-    for."""
-    piece = bytearray()
+def pieces(views: Sequence[memoryview], size: int, spare: list[bytearray] | None = None) -> Iterator[bytearray]:
+    """The bytes of ``views`` back to back, in pieces of ``size`` (the last one shorter), each copied once, as it is
+    asked for, into a buffer taken from ``spare`` where one is there (memory already touched fills fastest), else a
+    new one (S3's client takes a part as bytes or a bytearray, not a view)."""
+    spare = spare if spare is not None else []
+
+    def buffer() -> bytearray:
+        return spare.pop() if spare else bytearray(size)
+
+    piece, filled = buffer(), 0
     for view in views:
         while view.nbytes:
-            take = min(size - len(piece), view.nbytes)
-            piece += view[:take]
-            view = view[take:]
-            if len(piece) == size:
-                yield bytes(piece)
-                piece.clear()
-    if piece:
-        yield bytes(piece)
+            take = min(size - filled, view.nbytes)
+            piece[filled : filled + take] = view[:take]
+            filled, view = filled + take, view[take:]
+            if filled == size:
+                yield piece
+                piece, filled = buffer(), 0
+    if filled:
+        del piece[filled:]
+        yield piece
 
 
 async def _multipart_upload(fs: Any, bucket: str, key: str, views: Sequence[memoryview], extra: dict) -> None:
@@ -252,14 +259,18 @@ async def _multipart_upload(fs: Any, bucket: str, key: str, views: Sequence[memo
     upload = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
     common = {"Bucket": bucket, "Key": key, "UploadId": upload["UploadId"]}
 
-    async def send(number: int, body: bytes) -> dict[str, Any]:
+    spare: list[bytearray] = []  # the bodies of parts sent, for the next ones
+
+    async def send(number: int, body: bytearray) -> dict[str, Any]:
         sent = await fs._call_s3("upload_part", PartNumber=number, Body=body, **common)
+        if len(body) == PART_BYTES:
+            spare.append(body)
         return {"PartNumber": number, "ETag": sent["ETag"]}
 
     done: list[dict[str, Any]] = []
     pending: set[asyncio.Task] = set()
     try:
-        for number, body in enumerate(pieces(views, PART_BYTES), 1):
+        for number, body in enumerate(pieces(views, PART_BYTES, spare), 1):
             if len(pending) >= PARTS_AT_ONCE:
                 finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 done += [task.result() for task in finished]
