@@ -32,11 +32,13 @@ OPTIONS = {"shard_bytes": 20_000, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def store():
-    """The S3 server, its environment set for this module's clients; a fresh bucket per test (`bucket`)."""
+def store(tmp_path_factory):
+    """The S3 server, its environment set for this module's clients (and the read cache's default directory in a
+    temporary one, not under the home directory); a fresh prefix per test (`bucket`)."""
     with s3_server.s3_server() as server:
-        before = {key: os.environ.get(key) for key in server.environment}
-        os.environ.update(server.environment)
+        environment = {**server.environment, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache"))}
+        before = {key: os.environ.get(key) for key in environment}
+        os.environ.update(environment)
         try:
             yield server
         finally:
