@@ -22,10 +22,13 @@ with ``--peers``, (p1) vllm-lens and (p2) interp-engine's vLLM backend keeping e
 the same rows in memory (`peers`; installed into ``.cache/`` on first use), each with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` as (f) runs, and (p1-own, p2-own) as it runs by default (``1``, vLLM's default;
 interp-engine's ``AsyncLLM`` keeps its engine core in a process of its own either way);
-and reading (b)'s harvest back with ``batches``: shuffled against sequential. (a)-(c), (g)/(f) and the peers run in
-alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median of the
-rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length (as
-SAELens does; every measurement), and ``short``, whole short documents as they come (the vLLM measurements).
+and reading (b)'s harvest back with ``batches``: shuffled against sequential;
+with ``--out s3://bucket/prefix`` (the store's usual environment: ``AWS_ENDPOINT_URL``, keys), (s) our harvest on
+vLLM as (f), to the store, in the same alternating rounds as (f) to disk and (g), and reading (f)'s harvest back
+from disk against (s)'s from the store (through the read-through cache, first pass cold). (a)-(c), (g)/(f) and the
+peers run in alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median
+of the rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length
+(as SAELens does; every measurement), and ``short``, whole short documents as they come (the vLLM measurements).
 
 Tokens/s and CPU time exclude model loading (CPU time: every thread of every process of the measurement, an
 engine core in its own process included); peak RSS is the measuring process's. The corpus: documents built from
@@ -33,6 +36,7 @@ the shipped corpus's sentences. Prints the numbers and ratios; asserts nothing.
 
     python benchmarks/harvest.py [--documents 240] [--short-documents 32] [--context-length 128] [--rounds 3]
                                  [--workloads packed,short] [--only plain-vllm,vllm,...] [--peers]
+                                 [--out s3://bucket/prefix]
 """
 
 from __future__ import annotations
@@ -57,13 +61,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CORPUS = Path(__file__).resolve().parent.parent / "nnterp_vllm" / "data" / "corpus.jsonl"
 BATCH_SIZE = 8
 SHARD_BYTES = 256 * 2**20
+#: How a run's ``--shard-mb`` reaches its measurements.
+SHARD_VARIABLE = "NNTERP_BENCH_SHARD_BYTES"
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
 PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm", "plain-vllm-own", "vllm-own", "disk", "writer")
 PEERS = ("vllm-lens", "interp-engine", "vllm-lens-own", "interp-engine-own")
+#: Measured in the rounds where ``--out`` names a store.
+STORE = ("vllm-store",)
 #: Measured once, after the rounds.
-ONCE = ("saelens", "vllm-nnsight", "read")
+ONCE = ("saelens", "vllm-nnsight", "read", "read-vllm", "read-store")
 #: The measurements of the short-documents workload.
 SHORT = ("plain-vllm", "vllm", "plain-vllm-own", "vllm-own", *PEERS, "disk", "writer")
 #: vLLM's engine arrangement per measurement: ``0`` in the measuring process, ``1`` in a process of its own; the
@@ -248,7 +256,7 @@ def our_harvest(
                 context_length=context_length,
                 overflow="pack" if context_length else None,
                 batch_size=BATCH_SIZE,
-                shard_bytes=SHARD_BYTES,
+                shard_bytes=int(os.environ.get(SHARD_VARIABLE, SHARD_BYTES)),
                 progress=False,
             )
             run = measured(len(result), began, cpu)
@@ -299,23 +307,24 @@ def saelens_caching(checkpoint: str, corpus: Path, context_length: int, tokens: 
     return measured(len(dataset) * context_length, began, cpu)
 
 
-def read_back(out: Path, rounds: int = 9) -> dict[str, float]:
+def read_back(out: Path | str, rounds: int = 9, cache_dir: Path | None = None) -> dict[str, float]:
     """Tokens/s of one epoch of `Harvest.batches` over every value of a harvest, sequential and shuffled,
-    in ``rounds`` rounds of one pass each after a pass that brings the files into the page cache: the best
-    pass of each, and the median of the rounds' shuffled/sequential ratios (each round's two passes run
-    back to back, so they see the same load)."""
+    in ``rounds`` rounds of one pass each after a pass that brings the files into the page cache (a store's into
+    the read-through cache in ``cache_dir``: that first pass is ``cold``): the best pass of each, and the median of
+    the rounds' shuffled/sequential ratios (each round's two passes run back to back, so they see the same load)."""
     from nnterp_vllm import load_harvest
 
-    harvest = load_harvest(out)
+    harvest = load_harvest(out, cache_dir=cache_dir) if isinstance(out, str) else load_harvest(out)
 
     def rate(shuffle: bool) -> float:
         began = time.perf_counter()
         tokens = sum(len(next(iter(batch.values()))) for batch in harvest.batches(READ_BATCH, shuffle=shuffle))
         return tokens / (time.perf_counter() - began)
 
-    rate(False)
+    cold = rate(False)
     passes = [(rate(False), rate(True)) for _ in range(rounds)]
     return {
+        "cold": cold,
         "sequential": max(sequential for sequential, _ in passes),
         "shuffled": max(shuffled for _, shuffled in passes),
         "median ratio": statistics.median(shuffled / sequential for sequential, shuffled in passes),
@@ -339,6 +348,10 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, 
         for directory in (out, out.with_name(f"{out.name}-1")):
             shutil.rmtree(directory, ignore_errors=True)
         done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], out)}
+    elif name == "vllm-store":
+        out = f"{known['out'].rstrip('/')}/{os.getpid()}-{time.time_ns()}"  # a new harvest each round
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out)}
+        (scratch / "store-url").write_text(out)
     elif name in ("plain-vllm", "plain-vllm-own"):
         done = {"runs": [plain_vllm_prefill(checkpoint, corpus, context_length)]}
     elif name == "vllm-nnsight":
@@ -356,6 +369,10 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, 
         done = {"runs": [disk_write(scratch, known.get("bytes") or 256 * 2**20)]}
     elif name == "writer":
         done = {"runs": [harvest_writing(scratch, known.get("bytes") or 256 * 2**20)]}
+    elif name == "read-vllm":
+        done = {"read": read_back(scratch / "vllm", rounds=3)}
+    elif name == "read-store":
+        done = {"read": read_back((scratch / "store-url").read_text(), rounds=3, cache_dir=scratch / "read-cache")}
     else:
         done = {"read": read_back(scratch / "all")}
     done["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -377,10 +394,20 @@ def main() -> None:
         help="measure only these, comma-separated: " + ", ".join([*PAIRED, *PEERS, *ONCE]),
         type=lambda text: text.split(","),
     )
+    parser.add_argument(
+        "--out", help="also harvest on vLLM to this store URL (s3://bucket/prefix) and read it back, against disk"
+    )
+    parser.add_argument(
+        "--shard-mb",
+        type=float,
+        help="shard size of our harvests (default 256): a run of few shards ends with one shard's upload to a store",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--known", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.shard_mb:
+        os.environ[SHARD_VARIABLE] = str(int(args.shard_mb * 2**20))
     from nnterp_vllm.checkpoints import smollm2
 
     checkpoint = str(smollm2())
@@ -394,12 +421,14 @@ def main() -> None:
         return
     for workload in args.workloads:
         packed = workload == "packed"
-        names = [*PAIRED, *(PEERS if args.peers else ())] * args.rounds + list(ONCE)
+        names = [*PAIRED, *(PEERS if args.peers else ()), *(STORE if args.out else ())] * args.rounds + list(ONCE)
+        if not args.out:
+            names = [name for name in names if name not in ("read-vllm", "read-store")]
         names = [name for name in names if (packed or name in SHORT) and (not args.only or name in args.only)]
         results: dict[str, list[dict]] = {}
         with tempfile.TemporaryDirectory(prefix="harvest-bench-") as scratch:
             build_corpus(Path(scratch) / "corpus.jsonl", args.documents if packed else args.short_documents)
-            known: dict = {}
+            known: dict = {"out": args.out} if args.out else {}
             for name in names:
                 command = [
                     sys.executable,
@@ -419,10 +448,11 @@ def main() -> None:
                     print(f"  {workload} {name}: failed\n{done.stderr[-3000:]}")
                     continue
                 results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-                first = results[name][0]["runs"][0]
-                known.setdefault("tokens", first["tokens"])
-                if name == "vllm":
-                    known.setdefault("bytes", first["bytes"])
+                if "runs" in results[name][0]:  # a measurement of reading has none
+                    first = results[name][0]["runs"][0]
+                    known.setdefault("tokens", first["tokens"])
+                    if name == "vllm":
+                        known.setdefault("bytes", first["bytes"])
         report(results, args, workload)
 
 
@@ -451,6 +481,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         "interp-engine-own": "(p2-own) interp-engine, as it runs by default",
         "disk": "(w) the disk: plain write + fsync, same bytes as (f)",
         "writer": "(w2) the harvest's writing alone, + fsync, same bytes",
+        "vllm-store": "(s) our harvest on vLLM in the engine, all 30, to the store",
     }
     rows = f"{args.documents} documents packed into rows of {args.context_length}"
     if workload == "short":
@@ -477,14 +508,15 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
                 f"{statistics.median(seconds[key]):6.1f} s  CPU {statistics.median(cpu[key]):5.2f} s/1k tokens  "
                 f"peak RSS {peak:6.0f} MiB  ({runs[0]['tokens']} tokens){wrote}  {runs[0].get('note', '')}"
             )
-    if "read" in results:
-        read, peak = results["read"][0]["read"], results["read"][0]["peak_mib"]
-        print(
-            f"  reading (b) back, batches of {READ_BATCH}, every value, the default 256 MiB window, best of 9 "
-            f"(peak RSS {peak:.0f} MiB):"
-        )
-        for name in ("sequential", "shuffled"):
-            print(f"    {name:18s} {read[name]:10.0f} tokens/s")
+    for key, what in (("read", "(b) back"), ("read-vllm", "(f) back from disk"), ("read-store", "(s) from the store")):
+        if key in results:
+            read, peak = results[key][0]["read"], results[key][0]["peak_mib"]
+            print(
+                f"  reading {what}, batches of {READ_BATCH}, every value, the default 256 MiB window, best pass "
+                f"(peak RSS {peak:.0f} MiB):"
+            )
+            for name in ("cold", "sequential", "shuffled"):
+                print(f"    {name:18s} {read[name]:10.0f} tokens/s")
     print("ratios (goal):")
 
     def ratio(text: str, top: str, bottom: str, goal: str, by: dict = rates) -> None:
@@ -510,6 +542,12 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         ratio(f"(f)/({peer}) tokens/s", "vllm", peer, ">= 1.2")
         ratio(f"({peer})/(f) CPU per token", peer, "vllm", "", by=cpu)
     ratio("(w2)/(w) bytes/s: the harvest's writing / the disk", "writer", "disk", ">= 0.9", by=written)
+    ratio("(s)/(f) tokens/s: to the store / to disk", "vllm-store", "vllm", ">= 0.9")
+    ratio("(s)/(g) tokens/s: to the store / plain vLLM prefill", "vllm-store", "plain-vllm", "")
+    if "read-store" in results and "read-vllm" in results:
+        store, disk = results["read-store"][0]["read"], results["read-vllm"][0]["read"]
+        for name in ("cold", "sequential", "shuffled"):
+            print(f"  {f'reading from the store / from disk, {name}':50s} {store[name] / disk[name]:6.3f}")
     if "disk" in written:
         for key in ("vllm", "vllm-3"):
             if key in written:

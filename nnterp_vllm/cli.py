@@ -33,26 +33,36 @@ def _harvest(args: argparse.Namespace) -> int:
             model_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         elif args.tensor_parallel_size > 1:
             model_kwargs["tp_size"] = args.tensor_parallel_size
+    # What the harvest and its plan both take.
+    common = {
+        "engine": args.engine,
+        "format": args.format,
+        "positions": args.positions,
+        "context_length": args.context_length,
+        "overflow": args.overflow,
+        "add_bos": not args.no_bos,
+        "text_field": args.text_field,
+        "dtype": args.dtype,
+        "model_kwargs": model_kwargs,
+    }
+    if args.plan:
+        from .harvest.plan import describe, plan
+
+        print(describe(plan(model, args.corpus, args.values, tokens_per_second=args.tokens_per_second, **common)))
+        return 0
     result = harvest(
         model,
         args.corpus,
         args.values,
         args.out,
-        engine=args.engine,
-        format=args.format,
-        positions=args.positions,
-        context_length=args.context_length,
-        overflow=args.overflow,
-        add_bos=not args.no_bos,
-        text_field=args.text_field,
         batch_size=args.batch_size,
         shard_bytes=int(args.shard_mb * 2**20),
-        dtype=args.dtype,
         overwrite=args.overwrite,
         workers=args.workers,
         ray_address=args.ray_address,
-        model_kwargs=model_kwargs,
         progress=not args.quiet,
+        shared_filesystem=args.shared_filesystem,
+        **common,
     )
     print(f"activations: {result.path} ({len(result)} tokens, {len(result.shards)} shards, values {result.values})")
     print(f"load them with: from nnterp_vllm import load_harvest; harvest = load_harvest({str(result.path)!r})")
@@ -117,7 +127,11 @@ def parser() -> argparse.ArgumentParser:
     harvest.add_argument(
         "--values", required=True, nargs="+", help="e.g. 'layers.*.layer_output' 'layers.6.mlp_output'"
     )
-    harvest.add_argument("--out", required=True, help="output directory; rerunning the same command resumes it")
+    harvest.add_argument(
+        "--out",
+        required=True,
+        help="output directory, or any fsspec URL (s3://bucket/run, gs://, az://, file://); rerunning resumes it",
+    )
     harvest.add_argument("--engine", choices=["hf", "transformers", "vllm"], default="transformers")
     harvest.add_argument(
         "--format",
@@ -151,6 +165,19 @@ def parser() -> argparse.ArgumentParser:
     )
     harvest.add_argument("--overwrite", action="store_true", help="replace a directory made with other settings")
     harvest.add_argument("--quiet", action="store_true", help="no progress bar")
+    harvest.add_argument(
+        "--shared-filesystem",
+        action="store_true",
+        help="a local --out is a file system every Ray node mounts at the same path (else refused on several nodes)",
+    )
+    harvest.add_argument(
+        "--plan",
+        action="store_true",
+        help="print bytes per token, the run's size and the write bandwidth needed; start no engine",
+    )
+    harvest.add_argument(
+        "--tokens-per-second", type=float, help="with --plan: the engine's tokens/s (a harvest's summary line shows it)"
+    )
     harvest.set_defaults(run=_harvest)
     sweep = commands.add_parser(
         "sweep", help="run a steering grid (vectors x layers x factors x prompts) as one batch; rows to JSON lines"

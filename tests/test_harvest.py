@@ -20,7 +20,7 @@ import torch
 
 from nnterp_vllm import StandardizedTransformer, load_harvest
 from nnterp_vllm.harvest import HarvestError, harvest
-from nnterp_vllm.harvest import layouts as layouts_module
+from nnterp_vllm.harvest import files as files_module
 from nnterp_vllm.harvest import reader as reader_module
 from nnterp_vllm.harvest.checksums import recorded_checksum
 from nnterp_vllm.harvest.corpus import CorpusError
@@ -212,23 +212,35 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     reference_out = tmp_path / "reference"
     harvest(llama, docs, ["layers.0.layer_output"], reference_out, shard_bytes=20_000, progress=False)
     out = tmp_path / "out"
-    real_write = layouts_module.write_tensors
+    real_write = files_module.write_all
     written = []
 
-    def write_then_fill_up(path, tensors):
-        if written:
-            Path(path).write_bytes(b"half a shard")
+    def write_then_fill_up(descriptor, buffer):
+        if os.readlink(f"/proc/self/fd/{descriptor}").startswith(str(out / "shard-00001")):
+            real_write(descriptor, buffer[: len(buffer) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
-        written.append(path)
-        return real_write(path, tensors)
+        written.append(descriptor)
+        return real_write(descriptor, buffer)
 
-    monkeypatch.setattr(layouts_module, "write_tensors", write_then_fill_up)
+    monkeypatch.setattr(files_module, "write_all", write_then_fill_up)
     with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert not list(out.glob("*.tmp")) and len(list(out.glob("*.safetensors"))) == 1
-    monkeypatch.setattr(layouts_module, "write_tensors", real_write)
+    monkeypatch.setattr(files_module, "write_all", real_write)
     harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert shard_digests(out) == shard_digests(reference_out)
+
+
+def fails_on_the_third(compute, computed: list[int]):
+    """``compute``, failing on the third unit it is given; the units computed before are added to ``computed``."""
+
+    def failing(model, unit, job):
+        if len(computed) == 2:
+            raise RuntimeError("the forward failed")
+        computed.append(unit.index)
+        return compute(model, unit, job)
+
+    return failing
 
 
 def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(llama, tmp_path, monkeypatch):
@@ -241,14 +253,7 @@ def test_a_failure_while_the_next_shard_computes_keeps_the_shard_being_written(l
         llama, docs, ["layers.0.layer_output"], tmp_path / "reference", shard_bytes=20_000, progress=False
     )
     compute, computed = run_module.compute, []
-
-    def fails_on_the_third(model, unit, job):
-        if len(computed) == 2:
-            raise RuntimeError("the forward failed")
-        computed.append(unit.index)
-        return compute(model, unit, job)
-
-    monkeypatch.setattr(run_module, "compute", fails_on_the_third)
+    monkeypatch.setattr(run_module, "compute", fails_on_the_third(compute, computed))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="the forward failed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)

@@ -143,7 +143,10 @@ def test_missing_or_truncated_shard_is_named_when_read(copy):
     ids=["truncated", "not-a-manifest", "record-lacks-a-key"],
 )
 def test_a_damaged_manifest_is_named_with_the_fix(llama, copy, no_model_load, content, message):
+    """With no shard to rebuild it from (each carries its own record), a damaged manifest is refused, naming it."""
     corpus, out, files = copy
+    for shard in out.glob("shard-*"):
+        shard.unlink()
     manifest = out / "manifest.json"
     manifest.write_text(content(manifest.read_text()))
     before = snapshot(out)
@@ -152,6 +155,62 @@ def test_a_damaged_manifest_is_named_with_the_fix(llama, copy, no_model_load, co
     with pytest.raises(HarvestError, match=message):
         load_harvest(out)
     assert snapshot(out) == before
+
+
+def test_a_truncated_manifest_is_rebuilt_from_the_shards_own_records(llama, copy, monkeypatch, caplog):
+    """A manifest cut short (a crash of a disk that had not written it) is rebuilt, without --overwrite, from the
+    records each shard carries of itself: the rerun computes no shard again and ends with the same files."""
+    corpus, out, files = copy
+    manifest = out / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[: len(manifest.read_bytes()) // 3])
+    computed = []
+    compute = run_module.compute
+    monkeypatch.setattr(run_module, "compute", lambda *args: computed.append(1) or compute(*args))
+    with caplog.at_level(logging.WARNING, logger="nnterp_vllm.harvest"):
+        rebuilt = run(llama, corpus, out)
+    assert "rebuilt it from the" in caplog.text and computed == []
+    assert rebuilt.manifest["complete"] and len(rebuilt.shards) == len([n for n in files if n.startswith("shard-")])
+    assert {name: data for name, data in snapshot(out).items() if name != "manifest.json"} == {
+        name: data for name, data in files.items() if name != "manifest.json"
+    }
+    recorded = sorted(json.loads(files["manifest.json"])["shards"].values(), key=lambda r: r["index"])
+    assert [(r["file"], r["tokens"], r["corpus_sha256"]) for r in rebuilt.records] == [
+        (r["file"], r["tokens"], r["corpus_sha256"]) for r in recorded
+    ]
+    rebuilt.verify()
+
+
+def test_shards_of_other_settings_are_not_adopted_into_a_lost_manifest(llama, copy):
+    corpus, out, _ = copy
+    (out / "manifest.json").unlink()
+    with pytest.raises(HarvestError, match="holds shards made with other settings.*--overwrite"):
+        run(llama, corpus, out, dtype="float16")
+
+
+def test_every_shard_and_manifest_is_fsynced_before_its_rename_and_its_directory_after(llama, reference, tmp_path):
+    """Counts the fsyncs of a harvest: each shard's and each manifest's temporary file once, before it is renamed
+    (so a power loss never leaves a renamed file empty or torn), and the directory after each rename."""
+    corpus, _, files = reference
+    out = tmp_path / "out"
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        return real(descriptor)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", fsync)
+        result = run(llama, corpus, out)
+    shards = [path.name for path in result.shards]
+    for name in shards:
+        pattern = rf"{re.escape(str(out / name))}\.\d+-[0-9a-f]+\.tmp"
+        temporary = [path for path in synced if re.fullmatch(pattern, path)]
+        assert len(temporary) == 1, (name, synced)
+    manifests = [path for path in synced if path.startswith(str(out / "manifest.json."))]
+    assert len(manifests) == len(shards) + 1  # rewritten after every shard, and when the harvest is complete
+    assert synced.count(str(out)) == len(shards) + len(manifests)  # after each rename
+    assert {name: data for name, data in snapshot(out).items()} == files
 
 
 def test_overwrite_replaces_a_damaged_manifest(llama, copy):
@@ -348,7 +407,7 @@ def test_bad_corpora_are_refused_before_the_model_loads(llama_path, tmp_path, no
         ({"overflow": "wrap"}, ValueError, "overflow must be one of.*'wrap'"),
         ({"model_kwargs": "float16"}, TypeError, "model_kwargs must be a dict"),
         ({"model": 123}, TypeError, "model must be a checkpoint directory.*not a int"),
-        ({"out": None}, TypeError, "out must be a directory path, not None"),
+        ({"out": None}, TypeError, r"out must be a directory path or a URL \(s3://bucket/run, ...\), not None"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_model_loads(llama_path, tmp_path, no_model_load, kwargs, error, message):

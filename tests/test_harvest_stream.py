@@ -132,6 +132,36 @@ class TestOnASteeredVLLM:
         for left, right in zip(in_place.shards, copied.shards):
             assert left.read_bytes() == right.read_bytes()
 
+    def test_rows_that_cannot_reach_an_unopenable_shard_are_never_recorded_as_zeros(
+        self, engine, tmp_path, monkeypatch
+    ):
+        """The worker cannot open the shard file (its destination names a path that is not there): it keeps the
+        rows in its own memory, and once more requests finished than it holds (`FINISHED_KEPT`, made 2 here) it
+        drops the oldest. The harvest then fails naming the shard and the cause, records no shard and leaves no
+        file; a rerun where the worker can open the files finishes with the same bytes as a harvest that never
+        failed."""
+        from nnterp_vllm.engines import capture
+        from nnterp_vllm.engines.shared_rows import SharedRows
+
+        docs, options = documents(40, seed=3), {**OPTIONS, "positions": "last"}  # about ten rows a shard
+        reference = harvest(engine, docs, VALUES, tmp_path / "reference", **options)
+        destination = SharedRows.destination
+        monkeypatch.setattr(
+            SharedRows, "destination", lambda self, first: {**destination(self, first), "path": "/gone"}
+        )
+        kept_in_worker = harvest(engine, docs, VALUES, tmp_path / "kept", **options)  # within the bound: copied in
+        assert [p.read_bytes() for p in kept_in_worker.shards] == [p.read_bytes() for p in reference.shards]
+        monkeypatch.setattr(capture, "FINISHED_KEPT", 2)
+        out = tmp_path / "out"
+        with pytest.raises(HarvestError, match=r"rows of shard 0 never reached it, so it is not recorded.*could not"):
+            harvest(engine, docs, VALUES, out, **options)
+        assert not out.exists() or not list(out.iterdir())
+        assert engine.capture_stats()[0]["finished_held"] == 0
+        monkeypatch.setattr(SharedRows, "destination", destination)
+        rerun = harvest(engine, docs, VALUES, out, **options)
+        assert len(reference.shards) > 1
+        assert [p.read_bytes() for p in rerun.shards] == [p.read_bytes() for p in reference.shards]
+
     def test_a_failed_write_stops_the_stream_and_leaves_the_engine_clean(self, engine, tmp_path, monkeypatch):
         """A write that fails ends the harvest with its error; the requests still in the engine are aborted and
         their rows let go; the shards written before it stay recorded and the engine serves the next harvest."""
@@ -254,9 +284,9 @@ def test_shared_rows_written_by_another_process_are_seen_here():
     assert done.returncode == 0, done.stderr[-2000:]
     assert torch.equal(region.tensor[:, 1:], torch.full((2, 4, 3), 7.0))
     assert torch.equal(region.tensor[:, 0], torch.zeros(2, 3))
-    assert open_region({**into, "host": "elsewhere"}, torch.float32) is None
+    assert "lies on elsewhere" in open_region({**into, "host": "elsewhere"}, torch.float32)
     region.close()
-    assert open_region(into, torch.float32) is None  # closed: nothing left to open
+    assert "cannot open" in open_region(into, torch.float32)  # closed: nothing left to open
 
 
 def test_a_vllm_harvest_of_the_pattern_and_the_experts_choice_reads_them_through_nnsight(tmp_path):

@@ -370,7 +370,8 @@ def test_two_nodes_run_a_tensor_parallel_engine_across_them_and_a_spread_harvest
         "0.02",
         "--quiet",
     ]
-    for out, more in (("spread", ["--workers", "2", "--ray-address", two_nodes]), ("one", [])):
+    spread = ["--workers", "2", "--ray-address", two_nodes, "--shared-filesystem"]  # both nodes see this /tmp
+    for out, more in (("spread", spread), ("one", [])):
         run = subprocess.run(
             [*common, "--out", str(tmp_path / out), *more], env=clean_env(), capture_output=True, text=True, timeout=900
         )

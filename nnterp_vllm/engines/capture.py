@@ -487,6 +487,10 @@ class Capturer:
         #: Destinations mapped here (`shared_rows`), by id: the region and how many requests write into it.
         self.regions: dict[str, list[Any]] = {}
         self.finished: collections.OrderedDict[str, KeptRows] = collections.OrderedDict()
+        #: The finished requests whose rows this worker holds in its own memory (at most `FINISHED_KEPT`), oldest first.
+        self.in_memory: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Why each destination this worker could not open was not (the latest `FINISHED_KEPT`), by id.
+        self.unopened: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.step: list[tuple[KeptRows, int, int, int]] = []
         self.step_tokens = 0
         self.rows_kept = 0
@@ -537,11 +541,17 @@ class Capturer:
         return kept
 
     def _region(self, into: dict[str, Any], dtype: torch.dtype) -> Region | None:
-        """The destination ``into`` names, opened once while requests write into it (`release` lets go)."""
+        """The destination ``into`` names, opened once while requests write into it (`release` lets go); ``None``
+        where it cannot be opened here (why is kept, and logged once per destination, `unopened`)."""
         held = self.regions.get(into["id"])
         if held is None:
             region = open_region(into, dtype)
-            if region is None:
+            if not isinstance(region, Region):
+                if into["id"] not in self.unopened:
+                    self.unopened[into["id"]] = region or "it could not be opened"
+                    while len(self.unopened) > FINISHED_KEPT:
+                        self.unopened.popitem(last=False)
+                    logger.warning("captured rows kept in the worker: their destination %s", self.unopened[into["id"]])
                 return None
             held = self.regions[into["id"]] = [region, 0]
         held[1] += 1
@@ -560,16 +570,30 @@ class Capturer:
             held[0].close()
 
     def forget(self, request_id: str) -> None:
-        """A request left the engine (finished or aborted): its rows wait for the client, within a bound."""
+        """A request left the engine (finished or aborted): its rows wait for the client, those held in this
+        worker's memory (not in a destination) within a bound past which the oldest are dropped, loudly (a client
+        writing to a destination refuses the shard missing them)."""
         kept = self.requests.pop(request_id, None)
         if kept is None or kept.taken:
             return
-        self.finished[f"{kept.wire['key']}/{request_id}"] = kept
-        while len(self.finished) > FINISHED_KEPT:
+        entry = f"{kept.wire['key']}/{request_id}"
+        self.finished[entry] = kept
+        if kept.region is not None:
+            return  # its rows lie in its destination: nothing held here but the destination, until taken
+        self.in_memory[entry] = None
+        while len(self.in_memory) > FINISHED_KEPT:
             self.settle()
-            dropped, kept = self.finished.popitem(last=False)
+            dropped, _ = self.in_memory.popitem(last=False)
+            kept = self.finished.pop(dropped)
             self.release(kept)
-            logger.warning("captured rows of request %s were never taken; dropped", dropped)
+            why = self.unopened.get(kept.wire[INTO]["id"]) if INTO in kept.wire else None
+            # A client writing rows to a destination (a harvest's shard) finds them missing and refuses the shard.
+            logger.error(
+                "captured rows of request %s were never taken within %d finished requests; dropped%s",
+                dropped,
+                FINISHED_KEPT,
+                f" (their destination {why})" if why else "",
+            )
 
     # -- per step -------------------------------------------------------------------------------------
 
@@ -614,6 +638,7 @@ class Capturer:
             if key in wanted:
                 found.setdefault(key, {})[request_id] = kept.handed_back(self.saes, self.encoding)
                 del self.finished[entry]
+                self.in_memory.pop(entry, None)
                 self.release(kept)
         for request_id, kept in self.requests.items():
             if kept is not None and not kept.taken and kept.wire["key"] in wanted:

@@ -333,15 +333,15 @@ def _add_span(spans: list[list[int]], low: int, high: int) -> None:
     spans[at:last] = [[low, high]]
 
 
-def open_region(into: dict[str, Any], dtype: torch.dtype) -> Region | None:
-    """The region ``into`` names, opened in this process; ``None`` where it lies on another host or cannot be opened
-    (the rows are then kept as usual)."""
+def open_region(into: dict[str, Any], dtype: torch.dtype) -> Region | str:
+    """The region ``into`` names, opened in this process; else why not (it lies on another host, or cannot be
+    opened): the rows are then kept as usual, for the client to copy in."""
     if into["host"] != socket.gethostname():
-        return None
+        return f"it lies on {into['host']}, not on this worker's host {socket.gethostname()}"
     try:
         return Region(into, dtype)
-    except OSError:
-        return None
+    except OSError as error:
+        return f"cannot open {into['path']}: {error.strerror or error}"
 
 
 __all__ = ["INTO", "Region", "SharedRows", "open_region"]

@@ -1,4 +1,5 @@
-"""Harvest: activations over a corpus to disk, streaming and resumable, on either engine, fanned out over Ray.
+"""Harvest: activations over a corpus to disk or an object store, streaming, durable and resumable, on either engine,
+fanned out over Ray.
 
 ``nnterp_vllm.harvest(model, corpus, values, out, ...)`` calls `harvest.run.harvest`: this
 package is callable, so the function and the package share the name the API promises.

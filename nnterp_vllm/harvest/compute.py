@@ -22,6 +22,7 @@ from . import in_engine
 from .corpus import Row
 from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import METADATA, Columns
+from .location import Location
 from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed
 from .store import Placed, write_shard
 
@@ -54,6 +55,12 @@ class Job:
     batch_size: int
     #: The manifest's settings: the layout a shard is written in follows from them.
     settings: dict[str, Any] = field(default_factory=dict)
+    #: How to reach ``out`` where it is a URL (fsspec's ``storage_options``; never written to the manifest).
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def location(self) -> Location:
+        """Where the shards go (`location.Location`)."""
+        return Location.of(self.out, self.storage_options)
 
 
 def attention_for(selectors: list[Selector]) -> str:
@@ -274,7 +281,7 @@ def run_unit(model: Any, unit: Unit, job: Job) -> dict[str, Any]:
 
 def write_unit(unit: Unit, columns: Columns, job: Job, placed: Placed | None = None) -> dict[str, Any]:
     """Write one computed shard (``placed``: filled in place, `store.Placed`); its manifest record."""
-    return write_shard(Path(job.out), unit.index, columns, shard_record(unit, columns), job.settings, placed)
+    return write_shard(job.location(), unit.index, columns, shard_record(unit, columns), job.settings, placed)
 
 
 def engine_name(engine: Any) -> str:

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checksums import CHECKSUM, HASHES, file_checksum, recorded_checksum
-from .files import write_json
+from .checksums import CHECKSUM, HASHES, recorded_checksum
+from .files import json_bytes
+from .location import Location
 
 FORMATS = ("safetensors", "sae-lens")
 #: The most buffers one ``preadv`` takes (Linux's ``IOV_MAX``).
@@ -39,6 +40,11 @@ IOV_MAX = 1024
 _preadv = ctypes.CDLL(None, use_errno=True).preadv
 _preadv.restype = ctypes.c_ssize_t
 _preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
+#: The key under which a shard carries its own record (its manifest record but the file's name, size and checksum,
+#: and a digest of the settings it was made with): a manifest lost or damaged is rebuilt from the shards.
+OWN = "nnterp_vllm"
+#: Bytes at a shard's start that hold its own record (`read_own`), at most.
+OWN_BYTES = 1 << 20
 #: The per-token columns every shard holds besides the values.
 METADATA = ("token_ids", "documents", "offsets", "rows")
 SAFETENSORS_DTYPES = {
@@ -73,40 +79,60 @@ class Column:
             count *= size
         return count * torch.empty((), dtype=self.dtype).element_size()
 
-    def read(self, descriptor: int, start: int, out: torch.Tensor) -> None:
+    def read(self, source: Source, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, ``len(out)`` rows of this column's dtype) with the rows from ``start`` on."""
         if self.offset is None:
             out.copy_(torch.from_numpy(self.computed(np.arange(start, start + len(out)))))
             return
-        if not len(out):
-            return
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        wanted = len(out) * self.row_bytes
-        got = os.preadv(descriptor, [view], self.offset + start * self.row_bytes)
-        self._check(wanted, got)
+        if len(out):
+            vectors = np.array([[out.data_ptr(), len(out) * self.row_bytes]], np.uint64)
+            source.read_vectors(vectors, self.offset + start * self.row_bytes)
 
-    def scatter(self, descriptor: int, start: int, addresses: np.ndarray) -> None:
+    def scatter(self, source: Source, start: int, addresses: np.ndarray) -> None:
         """Read the rows from ``start`` on, one to each address in ``addresses`` (uint64, each with room for
-        a row), in one ``preadv`` per ``IOV_MAX`` rows: the kernel copies the file's rows straight to their
-        places. A stored column only (`computed` gives a computed one)."""
+        a row): the source copies the file's rows straight to their places (from a local file the kernel
+        does, one ``preadv`` per ``IOV_MAX`` rows). A stored column only (`computed` gives a computed one)."""
         vectors = np.empty((len(addresses), 2), np.uint64)
         vectors[:, 0], vectors[:, 1] = addresses, self.row_bytes
-        for first in range(0, len(vectors), IOV_MAX):
-            part = vectors[first : first + IOV_MAX]
-            got = _preadv(descriptor, part.ctypes.data, len(part), self.offset + (start + first) * self.row_bytes)
-            if got < 0:
-                error = ctypes.get_errno()
-                raise OSError(error, os.strerror(error))
-            self._check(len(part) * self.row_bytes, got)
+        source.read_vectors(vectors, self.offset + start * self.row_bytes)
 
     def computed(self, tokens: np.ndarray) -> np.ndarray:
         """A computed column's values at the shard's tokens ``tokens``."""
         return tokens // self.context
 
-    @staticmethod
-    def _check(wanted: int, got: int) -> None:
-        if got != wanted:
-            raise ValueError(f"the file ends {wanted - got} bytes short of the rows the manifest records")
+
+class Source:
+    """A shard file being read: a local file's descriptor (`read_vectors` is ``preadv``); `reader` serves a
+    store's through its read-through cache the same way."""
+
+    def __init__(self, descriptor: int) -> None:
+        self.descriptor = descriptor
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``offset:offset + size`` (fewer at the file's end)."""
+        return os.pread(self.descriptor, size, offset)
+
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """Bring the byte spans ``(offset, length)`` near before they are read: a local file needs nothing."""
+
+    def close(self) -> None:
+        """Let go of the file."""
+        os.close(self.descriptor)
+
+    def read_vectors(self, vectors: np.ndarray, offset: int) -> None:
+        """Fill the buffers ``vectors`` lists (rows of uint64 address, length) with the file's bytes from
+        ``offset`` on, back to back; ValueError where the file ends first."""
+        position = offset
+        for first in range(0, len(vectors), IOV_MAX):
+            part = np.ascontiguousarray(vectors[first : first + IOV_MAX])
+            got = _preadv(self.descriptor, part.ctypes.data, len(part), position)
+            if got < 0:
+                error = ctypes.get_errno()
+                raise OSError(error, os.strerror(error))
+            wanted = int(part[:, 1].sum())
+            if got != wanted:
+                raise ValueError(f"the file ends {wanted - got} bytes short of the rows the manifest records")
+            position += wanted
 
 
 #: Shard columns as computed: each column's parts (one per context row), in corpus order.
@@ -119,10 +145,13 @@ def joined(columns: Columns) -> dict[str, torch.Tensor]:
     return {name: torch.cat(parts) for name, parts in columns.items()}
 
 
-def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, int]:
+def safetensors_header(
+    tensors: list[tuple[str, torch.dtype, list[int]]], own: dict[str, Any] | None = None
+) -> tuple[bytes, int]:
     """The head of a safetensors file holding ``tensors`` (name, dtype, shape) back to back in that order (the
-    header's length and the header, padded so the data starts 8-byte aligned), and the bytes of data after it."""
-    header: dict[str, Any] = {}
+    header's length and the header, padded so the data starts 8-byte aligned; ``own``, the shard's own record, in
+    its ``__metadata__`` under `OWN`), and the bytes of data after it."""
+    header: dict[str, Any] = {} if own is None else {"__metadata__": {OWN: json.dumps(own, sort_keys=True)}}
     start = 0
     for name, dtype, shape in tensors:
         size = int(np.prod(shape)) * dtype.itemsize
@@ -143,23 +172,50 @@ def _by_element_size(columns: Columns) -> list[tuple[str, torch.dtype, list[int]
     ]
 
 
-def write_tensors(path: Path, columns: Columns) -> str:
-    """Write ``columns`` as one safetensors file at ``path``, straight from their parts (no joined copy);
-    its checksum (`checksums.CHECKSUM`), computed from the bytes as they are written."""
+def _raw(part: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, without a copy."""
+    return memoryview(part.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_parts(columns: Columns, own: dict[str, Any] | None = None) -> list[Any]:
+    """One safetensors file holding ``columns``, as the buffers it is written from back to back: its header (with
+    ``own``), then each column's parts as computed (no joined copy)."""
     parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
     tensors = _by_element_size(parts)
-    buffers = [safetensors_header(tensors)[0]]
-    buffers += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for name, *_ in tensors for part in parts[name]]
+    return [safetensors_header(tensors, own)[0], *(_raw(part) for name, *_ in tensors for part in parts[name])]
+
+
+def parts_checksum(parts: list[Any]) -> str:
+    """The checksum (`checksums.CHECKSUM`) of ``parts`` written back to back."""
     digest = HASHES[CHECKSUM]()
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for buffer in buffers:
-            digest.update(buffer)
-            while len(buffer):
-                buffer = buffer[os.write(descriptor, buffer) :]
-    finally:
-        os.close(descriptor)
+    for part in parts:
+        digest.update(part)
     return digest.hexdigest()
+
+
+def read_own(head: bytes) -> dict[str, Any] | None:
+    """The shard's own record (`OWN`) from the first bytes of a shard file in either layout (at least
+    `OWN_BYTES`, or the whole file), or ``None`` where it carries none."""
+    text = None
+    if head[:4] == b"\xff\xff\xff\xff":  # an arrow stream: its schema message comes first
+        import pyarrow as pa
+
+        try:
+            schema = pa.ipc.open_stream(pa.BufferReader(head)).schema
+        except (pa.ArrowInvalid, OSError):
+            return None
+        text = (schema.metadata or {}).get(OWN.encode())
+    else:
+        size = int.from_bytes(head[:8], "little")
+        try:
+            header = json.loads(head[8 : 8 + size])
+        except ValueError:
+            return None
+        text = (header.get("__metadata__") or {}).get(OWN) if isinstance(header, dict) else None
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
 
 
 class Safetensors:
@@ -175,33 +231,35 @@ class Safetensors:
     def file_name(index: int) -> str:
         return f"shard-{index:05d}.safetensors"
 
-    def write(self, path: Path, columns: Columns) -> str:
-        """Write one shard at ``path``; its checksum."""
-        return write_tensors(path, columns)
+    def parts(self, columns: Columns, own: dict[str, Any]) -> list[Any]:
+        """One shard's bytes, as buffers written back to back (`tensor_parts`)."""
+        return tensor_parts(columns, own)
 
     @staticmethod
-    def place(path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]]) -> int:
+    def place(
+        path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]], own: dict[str, Any]
+    ) -> int:
         """Begin a shard at ``path`` whose values are filled in place: write the header, ``columns`` and then room
         for the tensors ``room`` names (name, dtype, shape; back to back, in that order, each no wider an element
-        than ``columns``' narrowest); the byte at which that room starts. Its checksum is the file's, once filled."""
+        than ``columns``' narrowest; ``own``: the shard's own record); the byte at which that room starts. Its
+        checksum is the file's, once filled."""
         parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
         tensors = _by_element_size(parts)
-        head, data = safetensors_header([*tensors, *room])
+        head, data = safetensors_header([*tensors, *room], own)
         with open(path, "wb") as handle:
             handle.write(head)
             for name, *_ in tensors:
                 for part in parts[name]:
-                    handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+                    handle.write(_raw(part))
             start = handle.tell()
             handle.flush()
             os.posix_fallocate(handle.fileno(), 0, len(head) + data)  # a full disk fails here, not mid-fill
         return start
 
-    def locate(self, path: Path) -> dict[str, Column]:
-        """Where every column of the shard at ``path`` lies: from the safetensors header."""
-        with open(path, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
+    def locate(self, source: Source, size: int) -> dict[str, Column]:
+        """Where every column of the shard ``source`` reads lies: from the safetensors header."""
+        size = int.from_bytes(source.read(0, 8), "little")
+        header = json.loads(source.read(8, size))
         columns = {}
         for name, entry in header.items():
             if name == "__metadata__":
@@ -211,7 +269,7 @@ class Safetensors:
             columns[name] = Column(SAFETENSORS_DTYPES[entry["dtype"]], shape[1:], shape[0], 8 + size + first)
         return columns
 
-    def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
+    def publish(self, location: Location, records: list[dict[str, Any]]) -> None:
         """Nothing besides the manifest describes safetensors shards."""
 
 
@@ -242,9 +300,15 @@ class SaeLens:
         columns["offsets"] = Sequence(Value("int64"), length=self.context)
         return Features(columns)
 
-    def write(self, path: Path, columns: Columns) -> str:
-        """Write one shard at ``path``; its checksum."""
+    def parts(self, columns: Columns, own: dict[str, Any]) -> list[Any]:
+        """One shard's bytes (an arrow stream, ``own`` in its schema's metadata), as buffers written back to back."""
+        import pyarrow as pa
         from datasets.arrow_writer import ArrowWriter
+
+        class Writer(ArrowWriter):
+            def _build_schema(self, inferred_schema: pa.Schema) -> tuple[pa.Schema, Any]:
+                schema, features = super()._build_schema(inferred_schema)
+                return schema.with_metadata({**schema.metadata, OWN: json.dumps(own, sort_keys=True)}), features
 
         tensors = joined(columns)
 
@@ -257,20 +321,22 @@ class SaeLens:
         batch["offsets"] = by_row(tensors["offsets"])
         # One record batch per file, so a shard maps back as one zero-copy array per column.
         rows = len(batch["token_ids"])
-        writer = ArrowWriter(features=self.features(), path=str(path), writer_batch_size=max(rows, 1))
+        stream = pa.BufferOutputStream()
+        writer = Writer(features=self.features(), stream=stream, writer_batch_size=max(rows, 1))
         try:
             writer.write_batch(batch, writer_batch_size=max(rows, 1))
             writer.finalize()
         finally:
             writer.close()
-        return file_checksum(path)
+        return [stream.getvalue()]
 
-    def locate(self, path: Path) -> dict[str, Column]:
-        """Where every column of the shard at ``path`` lies, under our names: from the arrow stream's buffers."""
+    def locate(self, source: Source, size: int) -> dict[str, Column]:
+        """Where every column of the ``size``-byte shard ``source`` reads lies, under our names: from the arrow
+        stream's buffers, as laid out in a skeleton of the file (`_skeleton`: its messages' metadata read, the
+        rest never touched)."""
         import pyarrow as pa
 
-        with open(path, "rb") as handle:
-            whole = pa.py_buffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        whole = pa.py_buffer(_skeleton(source, size))
         table = pa.ipc.open_stream(pa.BufferReader(whole)).read_all()
 
         def column(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Column:
@@ -292,9 +358,9 @@ class SaeLens:
         columns["rows"] = Column(torch.int64, (), columns["token_ids"].tokens, context=self.context)
         return columns
 
-    def publish(self, directory: Path, records: list[dict[str, Any]]) -> None:
+    def publish(self, location: Location, records: list[dict[str, Any]]) -> None:
         """Rewrite ``state.json`` and ``dataset_info.json`` for the shards in ``records``, so that
-        ``datasets.load_from_disk(directory)`` reads them, in corpus order."""
+        ``datasets.load_from_disk(location)`` reads them, in corpus order."""
         from datasets import DatasetInfo
 
         records = sorted(records, key=lambda record: record["index"])
@@ -312,8 +378,25 @@ class SaeLens:
             "_output_all_columns": False,
             "_split": None,
         }
-        write_json(directory / "dataset_info.json", {key: info[key] for key in sorted(info)}, sort_keys=False)
-        write_json(directory / "state.json", state)
+        location.write_bytes("dataset_info.json", json_bytes({key: info[key] for key in sorted(info)}, False))
+        location.write_bytes("state.json", json_bytes(state))
+
+
+def _skeleton(source: Source, size: int) -> mmap.mmap:
+    """A ``size``-byte arrow stream's skeleton: anonymous memory as long as the file (its pages untouched, so never
+    allocated) holding the file's message headers (the schema's, the record batch's) and its end marker, the
+    batch's body left as zeros: enough for arrow to lay the columns out where the file holds them."""
+    skeleton = mmap.mmap(-1, max(size, 1))
+    position = 0
+    for _ in range(2):  # the schema message, then the record batch's metadata
+        head = source.read(position, 8)
+        if len(head) < 8 or head[:4] != b"\xff\xff\xff\xff":
+            raise ValueError("not an arrow stream of one schema and one record batch")
+        length = int.from_bytes(head[4:], "little")
+        skeleton[position : position + 8 + length] = head + source.read(position + 8, length)
+        position += 8 + length
+    skeleton[size - 8 : size] = source.read(size - 8, 8)
+    return skeleton
 
 
 def layout_of(manifest: dict[str, Any]) -> Safetensors | SaeLens:
@@ -321,4 +404,18 @@ def layout_of(manifest: dict[str, Any]) -> Safetensors | SaeLens:
     return SaeLens(manifest) if manifest.get("format") == "sae-lens" else Safetensors(manifest)
 
 
-__all__ = ["FORMATS", "METADATA", "Column", "Columns", "SaeLens", "Safetensors", "joined", "layout_of", "write_tensors"]
+__all__ = [
+    "FORMATS",
+    "METADATA",
+    "OWN",
+    "Column",
+    "Columns",
+    "SaeLens",
+    "Safetensors",
+    "Source",
+    "joined",
+    "layout_of",
+    "parts_checksum",
+    "read_own",
+    "tensor_parts",
+]

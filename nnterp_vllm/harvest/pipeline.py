@@ -9,7 +9,9 @@ side by side. A safetensors shard's region is the shard's file itself (begun wit
 disk space taken, `store.place_shard`): the rows land where the file holds them, as the worker writes them a
 chunk at a time, straight to the disk where it can, hashing each chunk as it writes it
 (`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it. A
-sae-lens shard's region is a memory file whose columns the writer writes. Nothing is done per token, or per request
+sae-lens shard's region, and that of a shard bound for an object store, is a memory file whose columns the writer
+writes (uploads). A shard missing any row (a worker that could not open its file dropped rows it held past its
+bound) is refused, never recorded with zeros (`lost_rows`). Nothing is done per token, or per request
 beyond adding it; a shard whose requests have all finished is taken one engine step later (its last chunks are
 written meanwhile), or at once where nothing else runs: one call to the worker (to take its requests' rows, which
 frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
@@ -32,10 +34,10 @@ from typing import Any
 import torch
 
 from ..capture import Capture
-from .compute import Job, Unit, metadata
+from .compute import Job, Unit, metadata, shard_record
 from .in_engine import EngineHarvester
 from .layouts import Columns, Safetensors, layout_of
-from .store import Placed, place_shard
+from .store import HarvestError, Placed, own_record, place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -52,8 +54,8 @@ class OpenShard:
     region: Any
     names: list[str]
     placed: Path | None
-    #: Each capturing request's id -> (its capture key, the first region row that is its).
-    requests: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: Each capturing request's id -> (its capture key, the first region row that is its, how many rows it keeps).
+    requests: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     #: Prompt tokens of the running requests.
     tokens: int = 0
@@ -79,7 +81,8 @@ def shards(
     kinds = {"all": Capture(wanted, "all", job.dtype), "last": Capture(wanted, "last", job.dtype)}
     dtype = getattr(torch, job.dtype)
     names = kinds["all"].names(harvester.num_layers)
-    in_place = isinstance(layout_of(job.settings), Safetensors)
+    location = job.location()
+    in_place = isinstance(layout_of(job.settings), Safetensors) and location.local is not None
     feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
@@ -93,11 +96,12 @@ def shards(
         placed, start = None, 0
         if in_place:
             room = [(name, dtype, list(shape[1:])) for name in names]
-            placed, start = place_shard(Path(job.out), unit.index, columns, room)
+            own = own_record(shard_record(unit, columns), job.settings)
+            placed, start = place_shard(location.local, unit.index, columns, room, own)
         region = SharedRows(*shape, dtype, file=placed, start=start)
         shard = OpenShard(unit, columns, region, names, placed)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
-        prompts, captures, destinations = [], [], []
+        prompts, captures, destinations, kept_rows = [], [], [], []
         first = 0
         for row, count, positions in zip(unit.rows, counts, kept):
             if count:  # a row that keeps nothing is not run
@@ -107,10 +111,11 @@ def shards(
                 else:
                     captures.append(Capture(wanted, positions.nonzero().flatten().tolist(), dtype))
                 destinations.append(region.destination(first))
+                kept_rows.append(count)
             first += count
         submitted = llm.submit(prompts, params, capture=captures, destinations=destinations) if prompts else []
-        for (request_id, wire), destination, prompt in zip(submitted, destinations, prompts):
-            shard.requests[request_id] = (wire["key"], destination["first"])
+        for (request_id, wire), destination, prompt, count in zip(submitted, destinations, prompts, kept_rows):
+            shard.requests[request_id] = (wire["key"], destination["first"], count)
             shard.tokens += len(prompt["prompt_token_ids"])
             owner[request_id] = shard
         shard.running = set(shard.requests)
@@ -119,11 +124,22 @@ def shards(
         return shard
 
     def finish(shard: OpenShard) -> tuple[Columns, Placed | None]:
-        taken = llm.take_captured([key for key, _ in shard.requests.values()]) if shard.requests else {}
-        for key, first in shard.requests.values():
-            rows = next(iter(taken.get(key, {}).values()), None)  # one request (one completion) per capture key
+        taken = llm.take_captured([key for key, *_ in shard.requests.values()]) if shard.requests else {}
+        missing = 0
+        for key, first, count in shard.requests.values():
+            if not taken.get(key):  # rows that never reached the shard: never recorded as zeros
+                missing += count
+                continue
+            rows = next(iter(taken[key].values()))  # one request (one completion) per capture key
             if rows is not None:  # kept by a worker that could not map the region
-                shard.region.fill(first, {name: unpack(found) for name, found in rows.items()}, shard.names)
+                rows = {name: unpack(found) for name, found in rows.items()}
+                missing += max(count - len(found) for found in rows.values())
+                shard.region.fill(first, rows, shard.names)
+        if missing:
+            shard.region.close()
+            if shard.placed is not None:
+                shard.placed.unlink(missing_ok=True)
+            raise lost_rows(shard, missing)
         placed = None if shard.placed is None else Placed(shard.placed, shard.region.chunk_digests())
         shard.region.close()
         return shard.columns, placed
@@ -157,10 +173,24 @@ def shards(
             engine.abort_request(running, internal=True)
         for shard in opened:
             if shard.requests:
-                llm.take_captured([key for key, _ in shard.requests.values()])
+                llm.take_captured([key for key, *_ in shard.requests.values()])
             shard.region.close()
             if shard.placed is not None:
                 shard.placed.unlink(missing_ok=True)
 
 
-__all__ = ["FEED_STEPS", "shards"]
+def lost_rows(shard: OpenShard, missing: int) -> HarvestError:
+    """The error of a shard some of whose rows never reached it (the shard is not recorded, nor written)."""
+    from ..engines.capture import FINISHED_KEPT
+
+    where = f"its file {shard.placed}" if shard.placed is not None else "its shared memory"
+    return HarvestError(
+        f"{missing} rows of shard {shard.unit.index} never reached it, so it is not recorded: the engine's worker "
+        f"could not write into {where} (its log says why) and kept the rows of finished requests in its own memory, "
+        f"dropping the oldest past {FINISHED_KEPT} of them. Let the engine's worker open the --out directory (run "
+        "the engine on the host that holds it, with the same permissions), or harvest with smaller shards "
+        "(shard_bytes / --shard-mb), then rerun the same command to resume."
+    )
+
+
+__all__ = ["FEED_STEPS", "lost_rows", "shards"]

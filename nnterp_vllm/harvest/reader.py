@@ -1,7 +1,10 @@
 """Reading a harvest back: columns, shards, a HuggingFace dataset, and shuffled batches for trainers.
 
-Imports neither nnsight nor vLLM (nor transformers), so a trainer's environment that has
-only torch (and ``datasets``/``pyarrow`` for the SAELens layout) can open a harvest.
+A harvest is read where it lies: a local directory, or any fsspec URL (``s3://...``), whose shards are read as
+byte ranges through a local read-through cache bounded in bytes (`cache`), never downloaded whole unless asked
+(`Harvest.download`). Imports neither nnsight nor vLLM (nor transformers), so a trainer's environment that has
+only torch (and ``datasets``/``pyarrow`` for the SAELens layout, fsspec and the store's file system for a URL) can
+open a harvest.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layouts import METADATA, Column, layout_of
-from .store import HarvestError, positive_int, read_manifest, shard_problem
+from .cache import CACHE_BYTES, BlockCache
+from .layouts import METADATA, Column, Source, layout_of
+from .location import Location
+from .store import MANIFEST, HarvestError, positive_int, read_manifest, shard_problem
 
 #: How many chunks, each from a random place of a random shard, make one shuffle window.
 CHUNKS_PER_WINDOW = 16
@@ -27,14 +32,18 @@ CHUNKS_PER_WINDOW = 16
 
 @dataclass
 class Harvest:
-    """A harvest on disk, read back: tokens aligned with activations, shard by shard.
+    """A harvest on disk or on a store, read back: tokens aligned with activations, shard by shard.
 
-    ``load_harvest(dir)`` gives one. Reading takes the tokens a call asks for straight from the
-    files (one ``preadv`` per column and range), so a harvest larger than memory is fine.
+    ``load_harvest(dir_or_url)`` gives one. Reading takes the tokens a call asks for straight from the
+    files (one ``preadv`` per column and range; on a store, from the blocks of the read-through cache), so a
+    harvest larger than memory (or than the cache) is fine.
     """
 
-    path: Path
+    path: Path | str
     manifest: dict[str, Any]
+    location: Location | None = None
+    #: The read-through cache of a harvest on a store.
+    cache: BlockCache | None = None
     #: A shuffled read's batch buffers, kept for the next window or epoch (see `batches`).
     _buffers: _Buffers = field(default_factory=lambda: _Buffers(), repr=False, compare=False)
 
@@ -48,18 +57,24 @@ class Harvest:
         """The manifest's shard records, in corpus order."""
         return sorted(self.manifest["shards"].values(), key=lambda record: record["index"])
 
+    def __post_init__(self) -> None:
+        if self.location is None:
+            self.location = Location.of(self.path)
+
     @property
-    def shards(self) -> list[Path]:
-        """The shard files, in corpus order."""
-        return [self.path / record["file"] for record in self.records]
+    def shards(self) -> list[Path] | list[str]:
+        """The shard files, in corpus order (on a store, their URLs)."""
+        if self.location.local is None:
+            return [f"{self.location.url.rstrip('/')}/{record['file']}" for record in self.records]
+        return [self.location.local / record["file"] for record in self.records]
 
     def __len__(self) -> int:
         return sum(record["tokens"] for record in self.manifest["shards"].values())
 
     def _located(self, record: dict[str, Any]) -> dict[str, Column]:
-        path = self.path / record["file"]
         try:
-            columns = layout_of(self.manifest).locate(path)
+            with self._open(record) as source:
+                columns = layout_of(self.manifest).locate(source, record["bytes"])
         except (OSError, ValueError, KeyError) as error:
             raise self._unreadable(record, error) from error
         if columns["token_ids"].tokens != record["tokens"]:
@@ -82,9 +97,11 @@ class Harvest:
         at: int,
     ) -> None:
         """Read tokens ``start:stop`` of ``names`` from one shard into ``out[name][at:]``."""
-        with self._open(record) as descriptor:
+        with self._open(record) as source:
+            spans = [_span(columns[name], start, stop) for name in names]
+            source.prefetch([span for span in spans if span is not None])
             for name in names:
-                columns[name].read(descriptor, start, out[name][at : at + stop - start])
+                columns[name].read(source, start, out[name][at : at + stop - start])
 
     @staticmethod
     def _empty(columns: dict[str, Column], names: list[str], count: int) -> dict[str, torch.Tensor]:
@@ -100,9 +117,10 @@ class Harvest:
             yield _as_read(shard)
 
     def verify(self) -> None:
-        """Check every shard's existence, size and checksum against the manifest; HarvestError naming a bad one."""
+        """Check every shard's existence, size and checksum against the manifest (on a store: one HEAD each, its
+        size and the checksum its metadata carries); HarvestError naming a bad one."""
         for record in self.manifest["shards"].values():
-            problem = shard_problem(self.path, record)
+            problem = shard_problem(self.location, record)
             if problem is not None:
                 raise HarvestError(
                     f"{record['file']} in {self.path} is {problem}; rerun the harvest command to recompute it"
@@ -200,18 +218,45 @@ class Harvest:
             scatter.close()
 
     @contextlib.contextmanager
-    def _open(self, record: dict[str, Any]) -> Iterator[int]:
-        """A descriptor of the shard ``record`` names; a failed read in it is a HarvestError naming the shard."""
+    def _open(self, record: dict[str, Any]) -> Iterator[Source]:
+        """A reader of the shard ``record`` names; a failed read in it is a HarvestError naming the shard."""
+        source = self._source(record)
         try:
-            descriptor = os.open(self.path / record["file"], os.O_RDONLY)
-        except OSError as error:
-            raise self._unreadable(record, error) from error
-        try:
-            yield descriptor
+            yield source
         except (OSError, ValueError) as error:
             raise self._unreadable(record, error) from error
         finally:
-            os.close(descriptor)
+            source.close()
+
+    def _source(self, record: dict[str, Any]) -> Source:
+        """A reader of the shard ``record`` names: its local file, or its object through the read-through cache."""
+        if self.location.local is None:
+            if self.cache is None:
+                self.cache = BlockCache()
+            return self.cache.source(self.location, record)
+        try:
+            return Source(os.open(self.location.local / record["file"], os.O_RDONLY))
+        except OSError as error:
+            raise self._unreadable(record, error) from error
+
+    def download(self, directory: Path | str) -> Harvest:
+        """Copy this harvest (every shard whole, and what describes them) into the local ``directory``, each shard
+        checked against its checksum; the copy, opened. For a reader that needs a local directory (SAELens's
+        ``cached_activations_path``)."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        names = [record["file"] for record in self.records] + [
+            name for name in ("state.json", "dataset_info.json") if self.location.exists(name)
+        ]
+        for name in names:
+            if self.location.local is not None:
+                (target / name).write_bytes((self.location.local / name).read_bytes())
+            else:
+                self.location.download(name, target / name)
+        (target / MANIFEST).write_bytes(self.location.read_bytes(MANIFEST))
+        copy = load_harvest(target)
+        copy.verify()
+        return copy
 
     def _gathered(self, pieces: list, located: dict, names: list[str], count: int) -> dict[str, torch.Tensor]:
         batch = self._empty(located[pieces[0][0]["index"]], names, count)
@@ -271,7 +316,7 @@ class _Scatter:
         self.harvest = harvest
         self.located = located
         self.names = names
-        self.descriptors: dict[int, int] = {}
+        self.sources: dict[int, Source] = {}
 
     def window(self, window: list, starts: np.ndarray, order: np.ndarray, batch_size: int) -> list[dict]:
         """The window's batches: batch ``b`` holds its tokens at positions ``order[b * batch_size :][:batch_size]``
@@ -287,6 +332,15 @@ class _Scatter:
         del buffers
         tokens = np.concatenate([np.arange(start, stop) for _, start, stop in window])  # each position's, in its shard
         which, slot = np.divmod(slots, np.uint64(batch_size))
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for record, start, stop in window:  # a store's blocks of the whole window, fetched at once per shard
+            located = self.located[record["index"]]
+            spans.setdefault(record["index"], []).extend(
+                span for name in self.names if (span := _span(located[name], start, stop)) is not None
+            )
+        for record, _, _ in window:
+            if record["index"] in spans:
+                self.source(record).prefetch(spans.pop(record["index"]))
         for name in self.names:
             if first[name].offset is None:
                 for batch, picked in zip(batches, picks):
@@ -297,7 +351,7 @@ class _Scatter:
             for j, (record, start, _) in enumerate(window):
                 column = self.located[record["index"]][name]
                 try:
-                    column.scatter(self.descriptor(record), start, addresses[starts[j] : starts[j + 1]])
+                    column.scatter(self.source(record), start, addresses[starts[j] : starts[j + 1]])
                 except (OSError, ValueError) as error:
                     raise self.harvest._unreadable(record, error) from error
         return batches
@@ -312,18 +366,15 @@ class _Scatter:
             at += size
         return batch
 
-    def descriptor(self, record: dict[str, Any]) -> int:
-        if record["index"] not in self.descriptors:
-            try:
-                self.descriptors[record["index"]] = os.open(self.harvest.path / record["file"], os.O_RDONLY)
-            except OSError as error:
-                raise self.harvest._unreadable(record, error) from error
-        return self.descriptors[record["index"]]
+    def source(self, record: dict[str, Any]) -> Source:
+        if record["index"] not in self.sources:
+            self.sources[record["index"]] = self.harvest._source(record)
+        return self.sources[record["index"]]
 
     def close(self) -> None:
-        for descriptor in self.descriptors.values():
-            os.close(descriptor)
-        self.descriptors.clear()
+        for source in self.sources.values():
+            source.close()
+        self.sources.clear()
 
 
 class _Buffers:
@@ -365,7 +416,26 @@ def _as_read(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: tensor.long() if name in METADATA else tensor for name, tensor in columns.items()}
 
 
-def load_harvest(path: Path | str) -> Harvest:
-    """Open a harvest directory written by `harvest` (complete or not: the shards written so far)."""
-    path = Path(path)
-    return Harvest(path, read_manifest(path))
+def _span(column: Column, start: int, stop: int) -> tuple[int, int] | None:
+    """The bytes a stored column's tokens ``start:stop`` lie in: ``(offset, length)``; None for a computed one."""
+    if column.offset is None:
+        return None
+    return column.offset + start * column.row_bytes, (stop - start) * column.row_bytes
+
+
+def load_harvest(
+    path: Path | str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: Path | str | None = None,
+    cache_bytes: int = CACHE_BYTES,
+) -> Harvest:
+    """Open a harvest written by `harvest` (complete or not: the shards written so far): a local directory, or any
+    fsspec URL (``s3://bucket/run``; credentials and endpoint from the store's usual environment, or
+    ``storage_options``), whose shards are read as byte ranges through a read-through cache in ``cache_dir``
+    (``$XDG_CACHE_HOME/nnterp_vllm/harvest-blocks`` by default) of at most ``cache_bytes`` bytes."""
+    location = Location.of(path, storage_options)
+    positive_int(cache_bytes, "cache_bytes")
+    cache = None if location.local is not None else BlockCache(cache_dir, cache_bytes)
+    where = location.local if location.local is not None else location.url
+    return Harvest(where, read_manifest(location), location, cache)

@@ -42,6 +42,7 @@ from .compute import (
 from .corpus import ContextSettings, Corpus, CorpusStats, Digested, Row, rows
 from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import FORMATS, Columns
+from .location import Location
 from .reader import Harvest, load_harvest
 from .resume import Resume
 from .selection import Selection, check_selectors, parse, token_shape
@@ -128,7 +129,7 @@ class BackgroundWriter:
 
 
 class Progress:
-    """A progress bar with documents, tokens and tokens/s, and the closing summary line."""
+    """A progress bar with documents, tokens and tokens/s, and the MB/s written beside them; the closing summary."""
 
     def __init__(self, enabled: bool, stats: CorpusStats) -> None:
         from tqdm.auto import tqdm
@@ -136,23 +137,30 @@ class Progress:
         self.stats = stats
         self.start = time.perf_counter()
         self.tokens = 0
+        self.bytes = 0
         self.shards = 0
         self.bar = tqdm(unit=" tok", unit_scale=True, disable=not enabled, desc="harvest")
 
-    def shard_done(self, tokens: int) -> None:
+    def rate(self) -> float:
+        """Megabytes (10^6) of shards written per second so far."""
+        return self.bytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)
+
+    def shard_done(self, tokens: int, written: int) -> None:
         self.tokens += tokens
+        self.bytes += written
         self.shards += 1
         self.bar.update(tokens)
-        self.bar.set_postfix(documents=self.stats.documents, shards=self.shards, refresh=False)
+        postfix = {"MB/s": f"{self.rate():.1f}", "documents": self.stats.documents, "shards": self.shards}
+        self.bar.set_postfix(postfix, refresh=False)
 
-    def summary(self, out: Path) -> str:
+    def summary(self, out: Any) -> str:
         self.bar.close()
         seconds = max(time.perf_counter() - self.start, 1e-9)
         left_out = f", {self.stats.left_out} tokens of a last short row left out" if self.stats.left_out else ""
         return (
             f"harvested {self.tokens} tokens in {self.shards} new shards from {self.stats.documents} documents "
             f"({self.stats.empty} empty skipped, {self.stats.truncated} truncated, {self.stats.split} split{left_out}) "
-            f"at {self.tokens / seconds:.1f} tokens/s into {out}"
+            f"at {self.tokens / seconds:.1f} tokens/s, {self.rate():.1f} MB/s written, into {out}"
         )
 
 
@@ -173,7 +181,7 @@ def _check_arguments(model: Any, out: Any, positions: Any, model_kwargs: Any, **
             f"SteeredVLLM built with capture_values; not a {type(model).__name__}"
         )
     if not isinstance(out, str | os.PathLike):
-        raise TypeError(f"out must be a directory path, not {out!r}")
+        raise TypeError(f"out must be a directory path or a URL (s3://bucket/run, ...), not {out!r}")
     if positions not in ("all", "last") and not callable(positions):
         raise ValueError(f"positions must be 'all', 'last' or a function of a row's token ids, got {positions!r}")
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
@@ -227,6 +235,12 @@ def _value_entries(selections: list[Selection], model: Any, context_length: int 
     return entries
 
 
+def value_bytes(entries: dict[str, dict[str, Any]], dtype: str) -> int:
+    """Bytes of one token's values (the manifest's ``values`` ``entries``) stored in ``dtype``."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return sum(int(torch.tensor(entry["shape"]).prod()) for entry in entries.values()) * itemsize
+
+
 def _units(
     documents: Digested,
     tokenizer: Any,
@@ -262,6 +276,8 @@ def harvest(
     ray_address: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    shared_filesystem: bool = False,
 ) -> Harvest:
     """Harvest ``values`` of ``model`` over ``corpus`` into ``out``; return the harvest, opened.
 
@@ -278,7 +294,8 @@ def harvest(
             ``datasets`` dataset (object or saved directory), or a list of texts or of token-id lists.
         values: Selectors such as ``layers.*.layer_output``, ``layers.6.mlp_output``,
             ``layers.3.self_attn.attention_probabilities``, ``final_norm_output``.
-        out: The output directory; a rerun of the same command resumes it.
+        out: The output directory, or any fsspec URL (``s3://bucket/run``, ``gs://``, ``az://``, ``file://``):
+            every replica writes its shards straight there; a rerun of the same command resumes it.
         engine: ``"transformers"`` (or ``"hf"``) or ``"vllm"``, for a checkpoint path.
         format: ``"safetensors"`` shards (the default), or ``"sae-lens"``: the directory is a
             ``datasets`` dataset that SAELens's cached-activation training reads as it is (one row per
@@ -302,12 +319,19 @@ def harvest(
             ``tp_plan="auto"``) splits the model over the T processes ``torchrun`` started, each running this
             call: every rank runs every forward, rank 0 alone writes, and every rank returns the harvest.
         progress: Show a progress bar (the summary line is printed regardless).
+        storage_options: How to reach a URL ``out`` (fsspec's, e.g. ``{"endpoint_url": ..., "profile": ...}``);
+            by default the store's usual environment and config (for S3 ``AWS_ACCESS_KEY_ID``,
+            ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, profiles). Never written to the manifest.
+        shared_filesystem: Declare a local ``out`` a file system every Ray node mounts at the same path: without
+            it, a local ``out`` with replicas on nodes other than this one is refused before any work; with it,
+            each landed shard is checked here.
     """
     selectors = check_selectors(values, context_length)
     _check_arguments(
         model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
     )
     engine = engine_name(engine)
+    location = Location.of(out, storage_options)
     if dtype is not None:
         torch_dtype(dtype, "dtype")
     overflow = _check_format(format, context_length, overflow, positions, dtype)
@@ -325,8 +349,8 @@ def harvest(
         )
     if sharded and ranks.rank() != 0:
         ranks.follow(load_model(model, engine, model_kwargs), compute)
-        return load_harvest(out)
-    with Store(out, overwrite) as store, contextlib.ExitStack() as built:
+        return load_harvest(out, storage_options=storage_options)
+    with Store(location, overwrite) as store, contextlib.ExitStack() as built:
         checkpoint = model
         model = load_model(model, engine, model_kwargs, dispatch=not distributed)
         if model is not checkpoint and model.ENGINE == "vllm":
@@ -340,8 +364,7 @@ def harvest(
                 "cannot be; pass dtype='float32' or dtype='float16'"
             )
         entries = _value_entries(selections, model, context_length, format)
-        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        per_token = sum(int(torch.tensor(entry["shape"]).prod()) for entry in entries.values()) * itemsize
+        per_token = value_bytes(entries, dtype)
         model_name = str(checkpoint) if isinstance(checkpoint, str | Path) else str(model.config._name_or_path)
         store.begin(
             {
@@ -377,7 +400,16 @@ def harvest(
             documents = source.read()
             units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, CorpusStats())
             resume.prove_recorded(units, documents)
-        job = Job(str(store.out), tuple(selections), positions, context_length, dtype, batch_size, store.settings)
+        job = Job(
+            str(store.out),
+            tuple(selections),
+            positions,
+            context_length,
+            dtype,
+            batch_size,
+            store.settings,
+            location.storage_options,
+        )
         stats = CorpusStats()
         documents = source.read()
         units = _units(documents, model.tokenizer, settings, tokens_per_shard, whole, stats)
@@ -386,12 +418,12 @@ def harvest(
 
         def finished(unit_index: int, record: dict[str, Any]) -> None:
             store.add(unit_index, record, stats.as_dict())
-            bar.shard_done(record["tokens"])
+            bar.shard_done(record["tokens"], record["bytes"])
 
         if distributed:
             from .fanout import run_on_ray
 
-            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished)
+            run_on_ray(todo, job, workers, ray_address, model_name, engine, model_kwargs, finished, shared_filesystem)
         else:
             with BackgroundWriter(job, finished) as writer:
                 if isinstance(model, EngineHarvester):
@@ -405,7 +437,7 @@ def harvest(
                         writer.put(unit, compute(model, unit, job))
         store.finish(stats.as_dict(), documents.hexdigest())
         print(bar.summary(store.out))
-    return load_harvest(store.out)
+    return load_harvest(out, storage_options=storage_options)
 
 
 __all__ = ["Harvest", "HarvestError", "harvest", "load_harvest"]

@@ -1,18 +1,20 @@
-"""The output directory of a harvest: shards and a JSON manifest, written atomically, held by one writer.
+"""The output directory of a harvest: shards and a JSON manifest, written atomically and durably.
 
-A directory holds ``manifest.json`` and one file per shard, in the harvest's layout
-(`layouts`: ``shard-NNNNN.safetensors`` files, or the arrow files of a SAELens dataset). Each
-shard holds, for its tokens in corpus order, ``token_ids``, ``documents`` (the document each
-token came from), ``offsets`` (its position in that document), ``rows`` (the context row it
-was run in) and one tensor per harvested value. A shard is written under a temporary name and
-renamed; the manifest is rewritten (also by rename) after every shard, so a run killed at any
-moment leaves only whole shards behind, and the next run picks up after them.
+A directory (a local one, or a prefix on an object store: `location`) holds ``manifest.json`` and one file per
+shard, in the harvest's layout (`layouts`: ``shard-NNNNN.safetensors`` files, or the arrow files of a SAELens
+dataset). Each shard holds, for its tokens in corpus order, ``token_ids``, ``documents`` (the document each token
+came from), ``offsets`` (its position in that document), ``rows`` (the context row it was run in) and one tensor
+per harvested value, and its own record (`layouts.OWN`). On a local disk a shard is written under a temporary
+name, fsynced, renamed, and the directory fsynced; the manifest is rewritten the same way after every shard, so a
+run killed at any moment, or a power loss, leaves only whole shards and a whole manifest behind, and the next run
+picks up after them. On a store each is one object, visible only once whole.
 
-A run holds an exclusive lock on the directory (``.lock``, through ``flock``), so a second
-writer is refused; temporary files carry the writing process's id. A rerun trusts nothing it
-has not checked: every recorded shard is checked for existence, size and checksum (a bad one
-is recomputed), and each shard's record carries a digest of the corpus read up to it, so a
-corpus edited since is refused with the shard where it first differs.
+A run holds an exclusive lock on a local directory (``.lock``, through ``flock``), so a second writer is refused;
+temporary files carry the writing process's id. A rerun trusts nothing it has not checked: every recorded shard is
+checked (locally its existence, size and checksum; on a store one HEAD: its size and the checksum in its
+metadata), a bad one recomputed, and each shard's record carries a digest of the corpus read up to it, so a
+corpus edited since is refused with the shard where it first differs. A manifest lost or damaged is rebuilt from
+the shards' own records (those made with this run's settings), never silently replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -29,8 +32,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from .checksums import CHECKSUM, CHECKSUMS, CHUNKED, file_checksum, recorded_checksum
-from .files import staging, write_json
-from .layouts import Columns, SaeLens, Safetensors, layout_of
+from .files import durable, json_bytes, staging
+from .layouts import OWN_BYTES, Columns, SaeLens, Safetensors, layout_of, parts_checksum, read_own
+from .location import CHECKSUM_KEY, Location
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -77,13 +81,14 @@ def version(manifest: dict[str, Any]) -> int:
     return manifest.get("version", manifest.get("format") if isinstance(manifest.get("format"), int) else None)
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+def read_manifest(directory: Location | Path | str) -> dict[str, Any]:
     """The manifest of the harvest in ``directory``; HarvestError naming the file and the fix if it is damaged."""
-    path = Path(directory) / MANIFEST
+    location = directory if isinstance(directory, Location) else Location.of(directory)
+    path = location.path(MANIFEST)
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = location.read_bytes(MANIFEST).decode("utf-8")
     except FileNotFoundError:
-        raise HarvestError(f"{directory} holds no harvest: {MANIFEST} is missing") from None
+        raise HarvestError(f"{location} holds no harvest: {MANIFEST} is missing") from None
     except OSError as error:
         raise HarvestError(f"cannot read {path}: {error.strerror or error}") from error
     except UnicodeDecodeError as error:
@@ -106,26 +111,41 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _damaged(path: Path, what: str) -> HarvestError:
+def _damaged(path: str, what: str) -> HarvestError:
     return HarvestError(
         f"{path} is damaged ({what}), so the shards beside it cannot be trusted: restore the file from a copy, "
         f"or rerun the harvest with {OVERWRITE} to compute them again"
     )
 
 
-def shard_problem(directory: Path, record: dict[str, Any]) -> str | None:
-    """What is wrong with the shard ``record`` describes (missing, wrong size, other checksum), or None."""
-    path = Path(directory) / record["file"]
-    if not path.is_file():
+def shard_problem(directory: Location | Path, record: dict[str, Any]) -> str | None:
+    """What is wrong with the shard ``record`` describes (missing, wrong size, other checksum), or None: locally
+    from its bytes; on a store from one HEAD (its size, and the checksum its metadata carries)."""
+    location = directory if isinstance(directory, Location) else Location.of(directory)
+    found = location.head(record["file"])
+    if found is None:
         return "missing"
-    size = path.stat().st_size
+    size, metadata = found
     if size != record["bytes"]:
         kind = "truncated" if size < record["bytes"] else "too long"
         return f"{kind}: {size} bytes, the manifest records {record['bytes']}"
     checksum = recorded_checksum(record)
-    if file_checksum(path, checksum) != record[checksum]:
+    if location.local is None:
+        if metadata.get(CHECKSUM_KEY) != f"{checksum}:{record[checksum]}":
+            return "damaged: the checksum in its metadata differs from the manifest's"
+    elif file_checksum(location.local / record["file"], checksum) != record[checksum]:
         return "damaged: its checksum differs from the manifest's"
     return None
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """A digest of the settings a shard's content follows from (`SETTINGS`), which its own record carries."""
+    return hashlib.sha256(json.dumps({key: settings.get(key) for key in SETTINGS}, sort_keys=True).encode()).hexdigest()
+
+
+def own_record(record: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """What a shard carries of itself (`layouts.OWN`): its record, and the digest of its settings."""
+    return {"record": record, "settings": settings_digest(settings)}
 
 
 def _lock(directory: Path) -> IO[str]:
@@ -160,13 +180,14 @@ def _unlock(handle: IO[str]) -> None:
 class Store:
     """The output directory of one harvest, held exclusively: what is done, and the writing of what is next.
 
-    Use as a context manager: entering creates the directory, takes its lock and reads any
-    manifest; `begin` compares the settings and checks the recorded shards; leaving releases
-    the lock, and removes the directory again if this run created it and wrote nothing.
+    Use as a context manager: entering creates a local directory, takes its lock and reads any manifest (on a
+    store: checks the bucket is there); `begin` compares the settings and checks the recorded shards; leaving
+    releases the lock, and removes a local directory again if this run created it and wrote nothing.
     """
 
-    def __init__(self, out: Path | str, overwrite: bool = False) -> None:
-        self.out = Path(out)
+    def __init__(self, out: Location | Path | str, overwrite: bool = False) -> None:
+        self.location = out if isinstance(out, Location) else Location.of(out)
+        self.out = self.location.local if self.location.local is not None else self.location.url
         self.overwrite = overwrite
         self.created = False
         self.saved = False
@@ -178,18 +199,23 @@ class Store:
         self._damaged: HarvestError | None = None
 
     def __enter__(self) -> Store:
-        self.created = not self.out.exists()
+        local = self.location.local
+        if local is None:
+            self.location.check_reachable()
+        else:
+            self.created = not local.exists()
+            try:
+                local.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise HarvestError(f"cannot create the output directory {local}: {error.strerror or error}") from error
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise HarvestError(f"cannot create the output directory {self.out}: {error.strerror or error}") from error
-        try:
-            self._lock = _lock(self.out)
-            if (self.out / MANIFEST).exists():
+            if local is not None:
+                self._lock = _lock(local)
+            if self.location.exists(MANIFEST):
                 try:
-                    self.existing = read_manifest(self.out)
+                    self.existing = read_manifest(self.location)
                 except HarvestError as error:
-                    if not self.overwrite:
+                    if not self.overwrite and not self._own_records():
                         raise
                     self._damaged = error
         except BaseException:
@@ -201,22 +227,70 @@ class Store:
         if self._lock is not None:
             _unlock(self._lock)
             self._lock = None
-        if self.created and not self.saved:
-            (self.out / LOCK).unlink(missing_ok=True)
+        local = self.location.local
+        if local is not None and self.created and not self.saved:
+            (local / LOCK).unlink(missing_ok=True)
             try:
-                self.out.rmdir()
+                local.rmdir()
             except OSError:
                 pass  # something else was put there meanwhile: leave it
+
+    def _shard_files(self) -> list[str]:
+        return self.location.names(("shard-*.safetensors", "data-*.arrow"))
+
+    def _own_records(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """Each shard file here that carries its own record: its name, size and that record."""
+        found = []
+        for name in self._shard_files():
+            head = self.location.head(name)
+            if head is None:
+                continue
+            own = read_own(self.location.read_range(name, 0, min(head[0], OWN_BYTES)))
+            if isinstance(own, dict) and isinstance(own.get("record"), dict) and "settings" in own:
+                found.append((name, head[0], own))
+        return found
+
+    def _recovered(self, settings: dict[str, Any]) -> dict[str, Any] | None:
+        """A manifest rebuilt from the shards' own records made with ``settings`` (`own_record`), or None where no
+        shard carries one; HarvestError where one was made with other settings."""
+        owned = self._own_records()
+        if not owned:
+            return None
+        digest = settings_digest(settings)
+        others = [name for name, _, own in owned if own["settings"] != digest]
+        if others:
+            raise HarvestError(
+                f"{self.location} holds shards made with other settings ({others[0]} ...) and no readable manifest; "
+                f"use another --out directory, or {OVERWRITE} to replace them"
+            )
+        shards = {}
+        for name, size, own in owned:
+            record = {**own["record"], "file": name, "bytes": size}
+            if self.location.local is not None:
+                record[CHECKSUM] = file_checksum(self.location.local / name)
+            else:
+                checksum, _, value = self.location.head(name)[1].get(CHECKSUM_KEY, "").partition(":")
+                if not value:
+                    continue  # an object without its checksum: computed again
+                record[checksum] = value
+            shards[str(record["index"])] = record
+        why = self._damaged or "no manifest"
+        log.warning("%s: %s; rebuilt it from the %d shards' own records", self.location, why, len(shards))
+        return {**settings, "shards": shards, "complete": False}
 
     def begin(self, settings: dict[str, Any]) -> None:
         """Start or continue the harvest with ``settings``: refuse other settings, drop shards that fail their check."""
         existing = self.existing
+        if existing is None and not self.overwrite and (self._damaged is not None or self._shard_files()):
+            existing = self._recovered(settings)
+            if existing is None and self._damaged is not None:
+                raise self._damaged
         if existing is not None and not self.overwrite:
-            if version(existing) not in RESUMABLE:
+            if version(existing) not in RESUMABLE and existing is self.existing:
                 raise HarvestError(
-                    f"{self.out / MANIFEST} was written by an older nnterp_vllm (layout version {version(existing)}), "
-                    f"which recorded no corpus digests to resume by; use another --out directory, or {OVERWRITE} "
-                    "to harvest again"
+                    f"{self.location.path(MANIFEST)} was written by an older nnterp_vllm (layout version "
+                    f"{version(existing)}), which recorded no corpus digests to resume by; use another --out "
+                    f"directory, or {OVERWRITE} to harvest again"
                 )
             different = [key for key in SETTINGS if existing.get(key) != settings.get(key)] + [
                 key for key in RECORDED_SETTINGS if key in existing and existing[key] != settings.get(key)
@@ -227,33 +301,32 @@ class Store:
                     for key in different
                 ]
                 raise HarvestError(
-                    f"{self.out} holds a harvest made with other settings:\n"
+                    f"{self.location} holds a harvest made with other settings:\n"
                     + "\n".join(lines)
                     + f"\nUse another --out directory, or {OVERWRITE} to replace it."
                 )
         if self.overwrite and (existing is not None or self._damaged is not None):
             self._clear()
             existing = None
-        for leftover in self.out.glob("*.tmp"):
-            leftover.unlink()
+        for leftover in self.location.names(("*.tmp",)):
+            self.location.remove(leftover)
         self.manifest = existing or {**settings, "shards": {}, "complete": False}
         self.manifest["version"] = VERSION  # what the records added from now on need to be read
         self.settings = {key: self.manifest.get(key, settings[key]) for key in settings}
         self.recorded = {int(index): record for index, record in self.manifest["shards"].items()}
         self.recorded_complete = bool(self.manifest.get("complete"))
         for index, record in sorted(self.recorded.items()):
-            problem = shard_problem(self.out, record)
+            problem = shard_problem(self.location, record)
             if problem is not None:
-                log.warning("%s in %s is %s; recomputing it", record["file"], self.out, problem)
-                (self.out / record["file"]).unlink(missing_ok=True)
+                log.warning("%s in %s is %s; recomputing it", record["file"], self.location, problem)
+                self.location.remove(record["file"])
                 del self.manifest["shards"][str(index)]
                 self.manifest["complete"] = False
 
     def _clear(self) -> None:
-        for pattern in (*Safetensors.patterns, *SaeLens.patterns):
-            for path in self.out.glob(pattern):
-                path.unlink()
-        (self.out / MANIFEST).unlink(missing_ok=True)
+        for name in self.location.names((*Safetensors.patterns, *SaeLens.patterns)):
+            self.location.remove(name)
+        self.location.remove(MANIFEST)
 
     @property
     def done(self) -> set[int]:
@@ -275,10 +348,10 @@ class Store:
 
     def _save(self) -> None:
         try:
-            layout_of(self.manifest).publish(self.out, list(self.manifest["shards"].values()))
-            write_json(self.out / MANIFEST, self.manifest)
+            layout_of(self.manifest).publish(self.location, list(self.manifest["shards"].values()))
+            self.location.write_bytes(MANIFEST, json_bytes(self.manifest))
         except OSError as error:
-            raise HarvestError(f"cannot write the manifest in {self.out}: {error.strerror or error}") from error
+            raise HarvestError(f"cannot write the manifest in {self.location}: {error.strerror or error}") from error
         self.saved = True
 
 
@@ -292,45 +365,64 @@ class Placed:
 
 
 def write_shard(
-    out: Path,
+    out: Location | Path | str,
     index: int,
     columns: Columns,
     record: dict[str, Any],
     settings: dict[str, Any],
     placed: Placed | None = None,
 ) -> dict[str, Any]:
-    """Write one shard in the layout ``settings`` name, under a temporary name, then rename it; a failed write leaves
-    nothing behind. A shard filled in place (``placed``) is only checksummed (`checksums.CHUNKED`) and renamed."""
+    """Write one shard in the layout ``settings`` name, carrying its own record (`own_record`), visible only once
+    whole (locally: a temporary name, fsynced, renamed, the directory fsynced; on a store: one object, its checksum
+    in its metadata); a failed write leaves nothing behind. A shard filled in place (``placed``, local) is only
+    checksummed (`checksums.CHUNKED`), fsynced and renamed."""
+    location = out if isinstance(out, Location) else Location.of(out)
     layout = layout_of(settings)
-    path = Path(out) / layout.file_name(index)
-    temporary = placed.path if placed else staging(path)
-    with _removed_on_failure(temporary, path):
+    name = layout.file_name(index)
+    try:
         if placed:
-            checksum, digest = CHUNKED, file_checksum(temporary, CHUNKED, placed.digests)
+            with _removed_on_failure(placed.path):
+                checksum, digest = CHUNKED, file_checksum(placed.path, CHUNKED, placed.digests)
+                durable(placed.path, location.local / name)
+            size = (location.local / name).stat().st_size
         else:
-            checksum, digest = CHECKSUM, layout.write(temporary, columns)
-        os.replace(temporary, path)
-    return {**record, "file": path.name, "bytes": path.stat().st_size, checksum: digest}
+            parts = layout.parts(columns, own_record(record, settings))
+            checksum, digest = CHECKSUM, parts_checksum(parts)
+            location.write_parts(name, parts, {CHECKSUM_KEY: f"{CHECKSUM}:{digest}"})
+            size = sum(memoryview(part).nbytes for part in parts)
+    except OSError as error:
+        raise _unwritable(name, location, error) from error
+    return {**record, "file": name, "bytes": size, checksum: digest}
 
 
-def place_shard(out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]]) -> tuple[Path, int]:
-    """Begin shard ``index`` of a safetensors harvest with its values to be filled in place (`Safetensors.place`:
-    ``columns`` written, the disk space for ``room`` taken now), under a temporary name that `write_shard` renames:
-    that file and the byte its room starts at. A failure leaves nothing behind."""
+def place_shard(
+    out: Path, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]], own: dict[str, Any]
+) -> tuple[Path, int]:
+    """Begin shard ``index`` of a safetensors harvest in the local directory ``out`` with its values to be filled in
+    place (`Safetensors.place`: ``columns`` and ``own`` written, the disk space for ``room`` taken now), under a
+    temporary name that `write_shard` renames: that file and the byte its room starts at. A failure leaves nothing
+    behind."""
     path = Path(out) / Safetensors.file_name(index)
     temporary = staging(path)
-    with _removed_on_failure(temporary, path):
-        return temporary, Safetensors.place(temporary, columns, room)
+    try:
+        with _removed_on_failure(temporary):
+            return temporary, Safetensors.place(temporary, columns, room, own)
+    except OSError as error:
+        raise _unwritable(path.name, path.parent, error) from error
+
+
+def _unwritable(name: str, where: Any, error: OSError) -> HarvestError:
+    return HarvestError(
+        f"cannot write {name} in {where}: {error.strerror or error}. The partial file was removed; "
+        "free space (or fix permissions) and rerun the same command to resume."
+    )
 
 
 @contextlib.contextmanager
-def _removed_on_failure(temporary: Path, path: Path) -> Iterator[None]:
-    """Remove ``temporary`` (shard file ``path`` being written) and raise a HarvestError saying so on an OSError."""
+def _removed_on_failure(temporary: Path) -> Iterator[None]:
+    """Remove ``temporary`` if the block fails."""
     try:
         yield
-    except OSError as error:
+    except BaseException:
         temporary.unlink(missing_ok=True)
-        raise HarvestError(
-            f"cannot write {path.name} in {path.parent}: {error.strerror or error}. The partial file was removed; "
-            "free space (or fix permissions) and rerun the same command to resume."
-        ) from error
+        raise
