@@ -31,6 +31,7 @@ __all__ = [
     "LogitDiff",
     "Logprob",
     "Patch",
+    "Probe",
     "Recovered",
     "SAE",
     "StandardizedTransformer",
@@ -73,6 +74,10 @@ def __getattr__(name: str) -> Any:
         from .steering.sweeps import sweep
 
         return sweep
+    if name == "Probe":
+        from .steering.probes import Probe
+
+        return Probe
     if name in ("LogitDiff", "Logprob", "Recovered"):
         from .steering import metrics
 

@@ -5,7 +5,9 @@
   setting the same rows on transformers' model.
 - `patch_sweep` on the steered engine (every cell one request of one batch, its metric read in the worker) and on
   transformers equals a TransformerLens-style loop of hooked forwards, one per cell.
-- Bad patches and sweeps are refused before any work, naming what is wrong.
+- `Probe`s read per token in the engine equal ``h @ w + b``; steering gated by a probe (``when=``) acts only on the
+  tokens whose read passes, as a hook gating the same addition does.
+- Bad patches, sweeps, probes and gates are refused before any work, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from test_steering import STEPS, engine_args, tokens_and_logprobs
 from vllm import SamplingParams
 
 from nnterp_vllm import (
+    Ablate,
     LogitDiff,
     Logprob,
     Patch,
+    Probe,
     Recovered,
     StandardizedTransformer,
     SteeredVLLM,
@@ -314,3 +318,119 @@ def test_a_patch_shares_the_prompts_cached_blocks_before_its_position(path, stee
     earlier = Patch(rows(1, steered.hidden_size, 8)[0], layers=1, positions=[BLOCK + 1])
     (other,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [earlier])
     assert other.num_cached_tokens == BLOCK
+
+
+# -- probes and gates ---------------------------------------------------------------------------------------------
+
+
+def hooked_streams(path, ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+    """Each block's output ``[tokens, hidden]`` of transformers' own model on ``ids`` (forward hooks)."""
+    return reference.block_outputs(reference.load(path), ids, layers)
+
+
+def test_probes_read_each_token_as_h_at_w_plus_b(path, steered):
+    """Probes read per token in the engine (one score, several classes with a softmax, prompt and generated tokens,
+    the last position) equal ``h @ w + b`` of transformers' own block outputs over the same tokens."""
+    hidden = steered.hidden_size
+    generator = torch.Generator().manual_seed(11)
+    one = Probe(torch.randn(hidden, generator=generator), bias=0.5, layer=1)
+    three = Probe(torch.randn(hidden, 3, generator=generator), bias=[0.1, -0.2, 0.3], layer=2, activation="softmax")
+    last = Probe(torch.randn(hidden, generator=generator), layer=0, positions="last", activation="sigmoid")
+    probes = {"one": one, "three": three, "last": last}
+    (output,) = steered.generate(reference.PROMPT, SamplingParams(**GREEDY), probes=probes)
+    ids = steered.get_tokenizer()(reference.PROMPT)["input_ids"]
+    fed = ids + list(output.outputs[0].token_ids)[:-1]  # every token that went through the model
+    streams = hooked_streams(path, fed, [0, 1, 2])
+    torch.testing.assert_close(output.probes["one"], streams[1] @ one.weight[:, 0] + 0.5, atol=1e-4, rtol=1e-4)
+    expected = (streams[2] @ three.weight + three.bias).softmax(-1)
+    torch.testing.assert_close(output.probes["three"], expected, atol=1e-4, rtol=1e-4)
+    expected_last = (streams[0][len(ids) - 1 : len(ids)] @ last.weight[:, 0]).sigmoid()
+    torch.testing.assert_close(output.probes["last"], expected_last, atol=1e-4, rtol=1e-4)
+    assert output.outputs[0].probes is output.probes
+
+
+def hooked_gated_generation(path, ids: list[int], vector: torch.Tensor, probe: Probe, threshold: float, layer: int):
+    """Greedy tokens and logprobs of transformers' own model adding ``vector`` at block ``layer``'s output only on
+    the tokens whose ``probe`` (read at its block's output, before anything is added there) exceeds ``threshold``."""
+    model = reference.load(path)
+    blocks = reference.blocks(model)
+    gate = {}
+
+    def read(module, args, out):
+        stream = out[0] if isinstance(out, tuple) else out
+        gate["open"] = (stream[0] @ probe.weight[:, 0] + probe.bias[0]) > threshold
+
+    def add(module, args, out):
+        stream = (out[0] if isinstance(out, tuple) else out).clone()
+        stream[0, gate["open"]] += vector
+        return (stream, *out[1:]) if isinstance(out, tuple) else stream
+
+    handles = [blocks[probe.layer].register_forward_hook(read), blocks[layer].register_forward_hook(add)]
+    try:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = generated.sequences[0, len(ids) :]
+    logprobs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(generated.logits, tokens)])
+    return tokens.tolist(), logprobs
+
+
+@pytest.mark.parametrize("probe_layer", [0, 2])
+def test_steering_gated_by_a_probe_acts_only_where_it_fires(path, steered, probe_layer):
+    """`Steering(..., when=(probe, ">", t))` equals a hook adding the vector only where the probe, read at a block
+    at or before the spec's, passes; the ungated spec moves every token."""
+    hidden = steered.hidden_size
+    generator = torch.Generator().manual_seed(12)
+    vector = torch.randn(hidden, generator=generator) * 2
+    probe = Probe(torch.randn(hidden, generator=generator), layer=probe_layer)
+    ids = steered.get_tokenizer()(reference.PROMPT)["input_ids"]
+    streams = hooked_streams(path, ids, [probe_layer])
+    threshold = float((streams[probe_layer] @ probe.weight[:, 0]).median())  # about half the prompt passes
+    gated = Steering(2, vector, when=(probe, ">", threshold))
+    (output,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [gated])
+    tokens, logprobs = tokens_and_logprobs(output)
+    expected, expected_logprobs = hooked_gated_generation(path, ids, vector, probe, threshold, 2)
+    assert tokens == expected
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
+    (ungated,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [Steering(2, vector)])
+    assert tokens_and_logprobs(ungated)[0] != tokens or not torch.allclose(tokens_and_logprobs(ungated)[1], logprobs)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda n: {"p": Probe(torch.ones(7))}, "weight is 7 wide; this model's stream is 128"),
+        (lambda n: {"p": Probe(torch.ones(n), layer=5)}, r"layer\(s\) \[5\] do not exist"),
+        (lambda n: {"p": Probe(torch.ones(n), positions=[400])}, r"position\(s\) \[400\] are outside"),
+    ],
+)
+def test_bad_probes_are_refused_before_the_engine_sees_them(steered, make, message):
+    requests = steered.request_counter.counter
+    with pytest.raises(ValueError, match=message):
+        steered.generate(reference.PROMPT, SamplingParams(max_tokens=2), probes=make(steered.hidden_size))
+    assert steered.request_counter.counter == requests
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda n: Steering(0, torch.ones(n), when=(Probe(torch.ones(n), layer=2), ">", 0.0)), "when reads block 2"),
+        (lambda n: Steering(0, torch.ones(n), when=(Probe(torch.ones(n, 2)), ">", 0.0)), "a gate reads one score"),
+        (lambda n: Steering(0, torch.ones(n), when=(Probe(torch.ones(n)), "==", 0.0)), "when is .* op one of"),
+        (lambda n: Ablate(torch.ones(n), when=(Probe(torch.ones(n)), ">", 0.0)), "before any block a gate"),
+    ],
+)
+def test_bad_gates_are_refused_before_the_engine_sees_them(steered, make, message):
+    requests = steered.request_counter.counter
+    with pytest.raises(ValueError, match=message):
+        steered.generate(reference.PROMPT, SamplingParams(max_tokens=2), make(steered.hidden_size))
+    assert steered.request_counter.counter == requests

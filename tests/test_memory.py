@@ -232,6 +232,7 @@ def test_a_smollm2_engine_allocates_what_the_memory_model_says_byte_for_byte():
         kept_values=config.num_hidden_layers,
         saes=(),
         accelerator=False,
+        probe_columns=memory.PROBE_COLUMNS,
     )
     expected = engine_buffers(sizes)
     assert set(allocated) == set(expected)
@@ -299,7 +300,7 @@ def test_a_row_whose_entry_was_placed_elsewhere_is_written_again():
     pool.new_step()
     again = wire([a], [1])
     assert pool.admit("again", again)
-    ((entry, _, _),) = again[PLACED]["entries"]
+    ((entry, _, _, _),) = again[PLACED]["entries"]
     ((row, name, at),) = again[PLACED]["rows"]
     assert at == [[1, entry]] and name != first[PLACED]["rows"][0][1]  # a row content of its own, naming it
 

@@ -83,6 +83,14 @@ INSTANCE_ATTRIBUTES = (
     ("engines/runners.py", "context.skip_compiled", "vllm.forward_context", "ForwardContext"),
     ("engines/runners.py", "context.cudagraph_runtime_mode", "vllm.forward_context", "ForwardContext"),
     ("engines/runners.py", "parallel_config.use_ubatching", "vllm.config.parallel", "ParallelConfig"),
+    # metrics read from the logits the runner's model computes, at the step a request's prompt ends
+    ("engines/logit_metrics.py", "model.compute_logits", "vllm.model_executor.models.llama", "LlamaForCausalLM"),
+    ("engines/logit_metrics.py", "state.num_prompt_tokens", "vllm.v1.worker.gpu_input_batch", "CachedRequestState"),
+    # a steered request's prefix-cache blocks keyed from the first position it steers
+    ("engines/scheduling.py", "scheduler.hash_block_size", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/scheduling.py", "scheduler.add_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/scheduling.py", "request.block_hashes", "vllm.v1.request", "Request"),
+    ("engines/scheduling.py", "request.all_token_ids", "vllm.v1.request", "Request"),
     ("engines/cpu_executors.py", "current_platform.ray_device_key", "vllm.platforms.interface", "Platform"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.attention", "Attention"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),

@@ -20,6 +20,9 @@ What is sized by what:
   ``[max_num_batched_tokens, hidden]`` row per kept value; on an accelerator the kept rows are gathered on the
   device into a compact buffer of only the rows some request keeps, then copied to the host through two pinned
   buffers of at most `HOST_CHUNK_BYTES` each (together at most one compact step).
+- **Probes** (every rank): ``max_probe_columns`` columns (a probe's class, a gate's read), each a hidden-size
+  vector, its bias and its block, read together at every block as one small product, and each scheduled token's
+  scores.
 - **SAEs** held by the engine (``saes=[...]``): their encoders on the device (where rows are kept, and every TopK
   SAE on every rank, since its clamps run inside the forward), and one bounded buffer the features are encoded into.
 """
@@ -34,8 +37,9 @@ import torch
 
 from .steering_pool import locations
 
-#: A steering direction's parameters (bounds, offset, threshold, scale, TopK feature), float32 each.
-STEERING_PARAMS = 6
+#: A steering direction's parameters (bounds, offset, threshold, scale, TopK feature; its gate's column, operator,
+#: threshold, floor and sigmoid), float32 each.
+STEERING_PARAMS = 11
 #: Device memory the default steering pool takes, at most (entries are fewer where they are wide).
 STEERING_POOL_BYTES = 32 * 2**20
 #: Bounds of the default number of steering entries.
@@ -51,6 +55,8 @@ HOST_BUFFERS = 2
 HOST_CHUNK_BYTES = 32 * 2**20
 #: Bytes of the buffer SAE features are encoded into, at most: larger sets of rows are encoded in parts.
 SAE_ENCODING_BYTES = 64 * 2**20
+#: Probe columns (a probe's class, or a gate's read) the engine reads at every block unless told.
+PROBE_COLUMNS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,8 @@ class EngineSizes:
     accelerator: bool
     #: Whether this rank keeps captured rows (and so holds every SAE for encoding them).
     keeps_rows: bool = True
+    #: Probe columns read at every block (`steering.probes`).
+    probe_columns: int = 0
 
     @property
     def steering_rows(self) -> int:
@@ -177,6 +185,29 @@ def steering_buffers(sizes: EngineSizes) -> list[Buffer]:
     return buffers
 
 
+def probe_buffers(sizes: EngineSizes) -> list[Buffer]:
+    """The probe columns of one rank (none where the engine reads none): every column's weights, bias and block,
+    and each scheduled token's scores, written where its block's stream passes."""
+    columns = sizes.probe_columns
+    if not columns:
+        return []
+    setting, tokens = "max_probe_columns", sizes.max_num_batched_tokens
+    buffers = [
+        Buffer("probe weights", (columns, sizes.hidden_size), sizes.dtype, False, setting),
+        Buffer("probe bias", (columns,), torch.float32, False, setting),
+        Buffer("probe blocks", (columns,), torch.int64, False, setting),
+        Buffer("probe scores", (tokens, columns), torch.float32, False, f"{setting}, max_num_batched_tokens"),
+    ]
+    if sizes.accelerator:
+        written = min(columns, sizes.steering_writes)
+        buffers += [
+            Buffer("probe weights written", (written, sizes.hidden_size), sizes.dtype, True, setting),
+            Buffer("probe bias written", (written,), torch.float32, True, setting),
+            Buffer("probe blocks written", (written,), torch.int64, True, setting),
+        ]
+    return buffers
+
+
 def capture_buffers(sizes: EngineSizes) -> list[Buffer]:
     """The capture buffers of one rank: none where it keeps no rows or no value."""
     if not sizes.keeps_rows or not sizes.kept_values:
@@ -220,7 +251,8 @@ def sae_buffers(sizes: EngineSizes) -> list[Buffer]:
 
 def engine_buffers(sizes: EngineSizes) -> dict[str, Buffer]:
     """Every buffer one rank of a steered engine allocates, by name."""
-    return {buffer.name: buffer for buffer in steering_buffers(sizes) + capture_buffers(sizes) + sae_buffers(sizes)}
+    made = steering_buffers(sizes) + probe_buffers(sizes) + capture_buffers(sizes) + sae_buffers(sizes)
+    return {buffer.name: buffer for buffer in made}
 
 
 def total(buffers: Iterable[Buffer], pinned: bool) -> int:
@@ -269,7 +301,7 @@ class Ledger:
 def sizes_of(vllm_config: Any, accelerator: bool, keeps_rows: bool) -> EngineSizes:
     """The `EngineSizes` of a steered engine's ``vllm_config`` (its settings in ``additional_config``)."""
     from .capture import CAPTURE_SETTING
-    from .steered_settings import CONFIG_KEY, SAES_SETTING, STEERING_ENTRIES
+    from .steered_settings import CONFIG_KEY, PROBE_COLUMNS_SETTING, SAES_SETTING, STEERING_ENTRIES
 
     model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
     settings = vllm_config.additional_config[CONFIG_KEY]
@@ -285,6 +317,7 @@ def sizes_of(vllm_config: Any, accelerator: bool, keeps_rows: bool) -> EngineSiz
         saes=held_saes(settings.get(SAES_SETTING, [])),
         accelerator=accelerator,
         keeps_rows=keeps_rows,
+        probe_columns=settings.get(PROBE_COLUMNS_SETTING, 0),
     )
 
 

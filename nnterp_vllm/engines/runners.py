@@ -19,6 +19,7 @@ from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .logit_metrics import MetricReader
 from .memory import Ledger, check_room, engine_buffers, sizes_of
+from .probe_reads import ProbeReader
 from .sae_encoding import place_saes
 from .steered_settings import CONFIG_KEY, WORKER_CLASSES, held_saes
 from .steering_table import Steerer
@@ -62,6 +63,7 @@ class SteeringModelRunner:
         self._steerer = Steerer(model, self.vllm_config, self._ledger, topk, encoding)
         self._capturer = Capturer(model, self.vllm_config, names, self._ledger, placed, encoding)
         self._metrics = MetricReader(model)
+        self._probes = ProbeReader(self._steerer.buffers.probe_scores)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -69,6 +71,7 @@ class SteeringModelRunner:
         self._steerer.fill(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         self._capturer.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         self._metrics.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+        self._probes.plan(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
         return prepared
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -86,6 +89,7 @@ class SteeringModelRunner:
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         output = super().execute_model(*args, **kwargs)
         self._capturer.gather()
+        self._probes.gather()
         return output
 
     def _on_request_state_removed(self, req_id: str, req_state: Any) -> None:
@@ -165,6 +169,9 @@ def _define_worker_classes() -> None:
     def take_metrics(self: Any, keys: Sequence[str]) -> dict[str, float]:
         return self.model_runner._metrics.take(keys)
 
+    def take_probes(self: Any, keys: Sequence[str], packed: bool) -> dict[str, Any]:
+        return self.model_runner._probes.take(keys, packed)
+
     worker_class = type(
         names[1],
         (Worker,),
@@ -177,6 +184,7 @@ def _define_worker_classes() -> None:
             "take_captured": take_captured,
             "allocated_buffers": allocated_buffers,
             "take_metrics": take_metrics,
+            "take_probes": take_probes,
         },
     )
     publish(globals(), runner_class, worker_class)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
 from .memory import sizes_of
 from .steering_pool import SteeringPool
@@ -31,10 +32,11 @@ def salt_from(request: Any, position: int, salt: str, block_size: int, hash_func
         )
 
 
-def request_steering_of(request: Any) -> dict[str, Any] | None:
-    """A scheduled request's steering in engine form, or ``None``."""
+def request_steering_of(request: Any, key: str = EXTRA_ARGS_KEY) -> dict[str, Any] | None:
+    """A scheduled request's steering in engine form (or what it carries under another ``key``: its probes), or
+    ``None``."""
     params = request.sampling_params
-    return (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
+    return (params.extra_args or {}).get(key) if params is not None else None
 
 
 class PromptCachingScheduler:
@@ -63,7 +65,9 @@ class PromptCachingScheduler:
         base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
         scheduler = base(vllm_config, *args, **kwargs)
         sizes = sizes_of(vllm_config, accelerator=False, keeps_rows=False)
-        pool = SteeringPool(sizes.num_layers, sizes.steering_rows, sizes.steering_entries, sizes.steering_writes)
+        pool = SteeringPool(
+            sizes.num_layers, sizes.steering_rows, sizes.steering_entries, sizes.steering_writes, sizes.probe_columns
+        )
         schedule, ready, free = scheduler.schedule, scheduler._handle_blocked_waiting_request, scheduler._free_request
 
         def schedule_placing(*args: Any, **kwargs: Any) -> Any:
@@ -71,7 +75,8 @@ class PromptCachingScheduler:
             return schedule(*args, **kwargs)
 
         def ready_and_placed(request: Any) -> bool:
-            return ready(request) and pool.admit(request.request_id, request_steering_of(request))
+            probes = request_steering_of(request, PROBES_KEY)
+            return ready(request) and pool.admit(request.request_id, request_steering_of(request), probes)
 
         def free_and_release(request: Any, *args: Any, **kwargs: Any) -> Any:
             pool.release(request.request_id)

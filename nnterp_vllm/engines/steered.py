@@ -11,6 +11,7 @@ cache). The compile cache is keyed apart from plain vLLM's through ``additional_
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -20,11 +21,15 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from .. import arguments
 from .. import capture as capture_specs
 from ..capture import Capture, kept_count, reads_prompt_from_cache
 from ..steering import metrics as metric_specs
+from ..steering import probes as probe_specs
 from ..steering.metrics import EXTRA_ARGS_KEY as METRIC_KEY
 from ..steering.metrics import metric_wire
+from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
+from ..steering.probes import Probe, activated
 from ..steering.saes import SAE
 from ..steering.specs import (
     DIRECTIONS_PER_BLOCK,
@@ -40,10 +45,11 @@ from ..steering.specs import (
 from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
-from .memory import STEERING_ROWS_PER_SEQUENCE
+from .memory import PROBE_COLUMNS, STEERING_ROWS_PER_SEQUENCE
 from .shared_rows import INTO
 from .steered_settings import (
     CONFIG_KEY,
+    PROBE_COLUMNS_SETTING,
     SAES_SETTING,
     STEERING_ENTRIES,
     held,
@@ -109,14 +115,17 @@ class SteeringClient:
         params: SamplingParams,
         specs: Sequence[Steering],
         capture: Capture | None = None,
+        probes: dict[str, Probe] | None = None,
     ) -> tuple[dict[str, Any], SamplingParams, dict[str, Any] | None]:
-        """A rendered prompt (vLLM's ``EngineInput``) and its sampling params, steered by ``specs`` and keeping
-        what ``capture`` says; also the capture in engine form (``None`` where nothing is kept).
+        """A rendered prompt (vLLM's ``EngineInput``) and its sampling params, steered by ``specs``, keeping
+        what ``capture`` says and reading ``probes`` (by name); also the capture in engine form (``None`` where
+        nothing is kept).
 
-        Checks the specs against the model and the prompt (raising ``ValueError`` as `steer` does) and
-        returns copies: the steering and the capture in ``extra_args``, the steering's cache salt in the
-        prompt (after any salt the prompt had); a request keeping prompt positions vLLM would take from the
-        prefix cache reads none of it. With neither, prompt and params come back as they are.
+        Checks the specs and probes against the model and the prompt (raising ``ValueError`` as `steer` does) and
+        returns copies: the steering, the capture and the probes in ``extra_args`` (the probes under
+        ``steering.probes.EXTRA_ARGS_KEY``), the steering's cache salt in the prompt (after any salt the prompt had);
+        a request keeping prompt positions vLLM would take from the prefix cache reads none of it. With none of
+        them, prompt and params come back as they are.
         """
         length = _prompt_length(engine_input)
         self._check_locations(specs)
@@ -129,8 +138,9 @@ class SteeringClient:
             self.vllm_config.model_config.dtype,
             self.vllm_config.additional_config[CONFIG_KEY]["directions_per_block"],
         )
-        if made is not None:
-            self._check_pool(made[0], len(specs))
+        read = self.probes_wire(probes or {}, length)
+        if made is not None or read is not None:
+            self._check_pool(None if made is None else made[0], read, len(specs))
         wire = None
         if capture is not None:
             if params.n != 1:
@@ -138,7 +148,7 @@ class SteeringClient:
             wire = capture.resolved(
                 self.num_layers, self.capture_values, length, self.vllm_config.model_config.dtype, self.held_saes
             )
-        if made is None and wire is None:
+        if made is None and wire is None and read is None:
             return engine_input, params, None
         params = params.clone()
         extra = dict(params.extra_args or {})
@@ -152,6 +162,11 @@ class SteeringClient:
         if wire is not None:
             extra[capture_specs.EXTRA_ARGS_KEY] = wire
             if not reads_prompt_from_cache(wire):
+                params.skip_reading_prefix_cache = True
+        if read is not None:
+            extra[PROBES_KEY] = read
+            forms = [{"positions": probe["positions"], "prompt_tokens": length} for probe in read["probes"]]
+            if not all(reads_prompt_from_cache(form) for form in forms):
                 params.skip_reading_prefix_cache = True
         params.extra_args = extra
         return engine_input, params, wire
@@ -177,13 +192,39 @@ class SteeringClient:
             for one in metric_specs.per_prompt(metric, count)
         ]
 
-    def _check_pool(self, steering: dict[str, Any], count: int) -> None:
-        """Refuse a request whose steering (engine form) needs more of the pool than the engine holds at all: it
-        would wait forever. One that fits the pool but not its free room waits in the scheduler."""
-        wanted = needs(steering, self.num_layers)
+    @property
+    def max_probe_columns(self) -> int:
+        """Probe columns (a probe's class, a gate's read) the engine reads at every block, and so holds at once."""
+        return self.vllm_config.additional_config[CONFIG_KEY].get(PROBE_COLUMNS_SETTING, 0)
+
+    def probes_wire(self, probes: dict[str, Probe], prompt_length: int) -> dict[str, Any] | None:
+        """A request's probes (by name) in engine form for a prompt of ``prompt_length`` tokens: a fresh key naming
+        its scores, the prompt's length and each probe's (`Probe.resolved`, its positions absolute); ``None``
+        without probes. ``ValueError`` naming what is wrong."""
+        if not probes:
+            return None
+        resolved = []
+        for name, probe in probes.items():
+            entry = probe.resolved(name, self.num_layers, self.hidden_size)
+            positions = probe.positions
+            if not isinstance(positions, str):
+                positions = sorted(set(arguments.positions_within(positions, prompt_length, f"Probe {name!r}")))
+            resolved.append({**entry, "positions": positions})
+        return {"key": uuid.uuid4().hex, "prompt_tokens": prompt_length, "probes": resolved}
+
+    def _check_pool(self, steering: dict[str, Any] | None, probes: dict[str, Any] | None, count: int) -> None:
+        """Refuse a request whose steering and probes (engine form) need more of the pool than the engine holds at
+        all: it would wait forever. One that fits the pool but not its free room waits in the scheduler."""
+        wanted = needs(steering, self.num_layers, probes)
         for held_count, room, what, setting in (
             (len(wanted.entries), self.max_steering_entries, "distinct block contents", "max_steering_entries=N"),
             (len(wanted.rows), self.max_steering_rows, "distinct sets of tokens", "max_num_seqs=N (two rows each)"),
+            (
+                len(wanted.columns),
+                self.max_probe_columns,
+                "probe columns (probes' classes, gates)",
+                "max_probe_columns=N",
+            ),
         ):
             if held_count > room:
                 raise ValueError(
@@ -245,6 +286,24 @@ def with_extra(params: SamplingParams, key: str, value: Any) -> SamplingParams:
     return params
 
 
+def attach_probes(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
+    """Give ``output`` (and its completion) the probe scores its request kept: ``probes``, a dict from each probe's
+    name to its scores at its kept tokens in position order, after its activation (``[tokens]`` for a one-score
+    probe, ``[tokens, classes]`` otherwise); ``None`` where it asked for none."""
+    probes = None
+    if wire is not None:
+        found = taken.get(wire["key"], {})
+        probes = {}
+        for probe in wire["probes"]:
+            scores = activated(unpack(found[probe["name"]]), probe["activation"]) if probe["name"] in found else None
+            if scores is not None and len(probe["weight"]) == 1:
+                scores = scores[:, 0]
+            probes[probe["name"]] = scores
+    output.probes = probes
+    for completion in output.outputs:
+        completion.probes = probes
+
+
 def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
     """Give ``output`` (and its completion) the rows its request kept: ``activations``, a dict from each value's
     name to a ``[kept tokens, hidden]`` tensor in position order (``[kept tokens, k]`` for SAE features), as many
@@ -286,6 +345,9 @@ class SteeredVLLM(SteeringClient, LLM):
             at one block, shared by every block and request applying the same) the engine holds at once; by default
             as many as 32 MiB holds, within 64..512 (`memory.default_steering_entries`). A request whose content
             does not fit the room left waits in the scheduler until it does, as for KV blocks.
+        max_probe_columns: Probe columns (each class of a `steering.probes.Probe` a request reads, and each gate's
+            read) the engine reads at every block as one small product, and so holds at once (16 by default; 0 reads
+            none: no probes, no gates).
         capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
@@ -300,19 +362,29 @@ class SteeredVLLM(SteeringClient, LLM):
             cluster).
     """
 
+    #: The probes (engine form) of the requests the last `submit` added, in order.
+    _submitted_probes: list[dict[str, Any] | None] = []
+
     def __init__(
         self,
         model: Any,
         *,
         steering_directions_per_block: int = DIRECTIONS_PER_BLOCK,
         max_steering_entries: int | None = None,
+        max_probe_columns: int = PROBE_COLUMNS,
         capture_values: Any = None,
         saes: Any = None,
         **kwargs: Any,
     ) -> None:
         loaded = held(model, kwargs, saes)
         settings = steering_settings(
-            model, kwargs, capture_values, loaded, steering_directions_per_block, max_steering_entries
+            model,
+            kwargs,
+            capture_values,
+            loaded,
+            steering_directions_per_block,
+            max_steering_entries,
+            max_probe_columns,
         )
         kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
         with socket_directory(self):
@@ -329,6 +401,7 @@ class SteeredVLLM(SteeringClient, LLM):
         *,
         capture: Any = None,
         metric: Any = None,
+        probes: Any = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
         priority: Any = None,
@@ -348,6 +421,10 @@ class SteeredVLLM(SteeringClient, LLM):
             metric: ``None``, one metric (`steering.metrics`: ``LogitDiff``, ``Logprob``) for every prompt, or a
                 list with one entry per prompt: read in the engine's worker from the logits of the prompt's last
                 position, the output's ``metric`` (``None`` where none was asked).
+            probes: ``None``, one dict from names to `steering.probes.Probe` for every prompt, or a list with one
+                entry per prompt: each probe read in the engine at its block, per token at its positions; the
+                output's ``probes`` (``{name: [kept tokens]`` or ``[kept tokens, classes]}``, after each probe's
+                activation; ``None`` where none was asked).
 
         Every spec is checked against the model and its prompt before any request reaches the engine.
         """
@@ -362,6 +439,7 @@ class SteeredVLLM(SteeringClient, LLM):
                 steering,
                 capture=capture,
                 metrics=measured,
+                probes=probes,
                 lora_request=lora_request,
                 priority=priority,
                 tokenization_kwargs=tokenization_kwargs,
@@ -369,14 +447,17 @@ class SteeredVLLM(SteeringClient, LLM):
         ]
         keys = [wire["key"] for wire in wires if wire is not None]
         metric_keys = [wire["key"] for wire in measured if wire is not None]
+        read = self._submitted_probes
         try:
             outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
         finally:
             taken = self.take_captured(keys) if keys else {}
             values = self.take_metrics(metric_keys) if metric_keys else {}
-        for output, wire, measure in zip(outputs, wires, measured):
+            scores = self.take_probes([wire["key"] for wire in read if wire is not None]) if any(read) else {}
+        for output, wire, measure, probe_wire in zip(outputs, wires, measured, read):
             attach_activations(output, wire, taken)
             output.metric = None if measure is None else values.get(measure["key"])
+            attach_probes(output, probe_wire, scores)
         return outputs
 
     def submit(
@@ -391,13 +472,15 @@ class SteeredVLLM(SteeringClient, LLM):
         tokenization_kwargs: dict[str, Any] | None = None,
         destinations: Sequence[dict[str, Any] | None] | None = None,
         metrics: Sequence[dict[str, Any] | None] | None = None,
+        probes: Any = None,
     ) -> list[tuple[str, dict[str, Any] | None]]:
         """Check and add requests as `generate` does, without running the engine: each prompt's request id (as its
         ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order.
         ``llm_engine.step()`` runs them; `take_captured` takes their rows. ``destinations`` (one per prompt,
         `shared_rows.SharedRows.destination`) has the engine keep a capturing request's rows in shared memory the
         caller made; ``metrics`` (one per prompt, `metric_wires`) has it read a metric of each, which
-        `take_metrics` takes."""
+        `take_metrics` takes; ``probes`` as `generate` takes them (their engine forms, in order, are left in
+        ``_submitted_probes`` for `take_probes`)."""
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         prompts = prompt_to_seq(prompts)
@@ -407,7 +490,9 @@ class SteeredVLLM(SteeringClient, LLM):
         wanted = per_prompt(steering, len(prompts))
         kept = capture_specs.per_prompt(capture, len(prompts))
         rendered = self._preprocess_cmpl(prompts, tokenization_kwargs)
-        requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept)]
+        read = probe_specs.per_prompt(probes, len(prompts))
+        requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept, read)]
+        self._submitted_probes = [(request[1].extra_args or {}).get(PROBES_KEY) for request in requests]
         for index, measure in enumerate(metrics or ()):
             if measure is not None:
                 engine_input, request_params, wire = requests[index]
@@ -429,12 +514,21 @@ class SteeredVLLM(SteeringClient, LLM):
         """The rows the engine kept for the requests whose captures carry ``keys``, handed over and forgotten
         there: ``{key: {request id: {value name: tensor}}}`` (as `pack` made them where the worker is another
         process)."""
+        return merged(self.collective_rpc("take_captured", args=(list(keys), not self._in_process())))
+
+    def take_probes(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The probe scores the engine kept for the requests carrying probe ``keys``, handed over and forgotten
+        there: ``{key: {probe name: [tokens, classes]}}`` (as `pack` made them where the worker is another
+        process)."""
+        return merged(self.collective_rpc("take_probes", args=(list(keys), not self._in_process())))
+
+    def _in_process(self) -> bool:
+        """Whether the engine's worker runs in this process (what it hands back needs no packing)."""
         from vllm.v1.engine.core_client import InprocClient
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         client = self.llm_engine.engine_core
-        here = isinstance(client, InprocClient) and isinstance(client.engine_core.model_executor, UniProcExecutor)
-        return merged(self.collective_rpc("take_captured", args=(list(keys), not here)))
+        return isinstance(client, InprocClient) and isinstance(client.engine_core.model_executor, UniProcExecutor)
 
     def take_metrics(self, keys: Sequence[str]) -> dict[str, float]:
         """The metrics the engine read for the requests carrying metric ``keys`` (`metric_wires`), handed over and
@@ -491,11 +585,13 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
         steering: Any = None,
         capture: Capture | None = None,
         metric: Any = None,
+        probes: dict[str, Probe] | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's ``AsyncLLM.generate``, the prompt steered by ``steering`` (``None``, a `Steering` or a list),
-        keeping what ``capture`` says and reading ``metric`` (`steering.metrics`) from its prompt's last-position
-        logits: the last output carries ``activations`` (`attach_activations`) and ``metric``.
+        keeping what ``capture`` says, reading ``probes`` (by name) per token and ``metric`` (`steering.metrics`)
+        from its prompt's last-position logits: the last output carries ``activations`` (`attach_activations`),
+        ``probes`` (`attach_probes`) and ``metric``.
 
         The specs are checked against the model and the rendered prompt before the request is added.
         """
@@ -503,12 +599,16 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
         specs = specs_of(steering)
         wire = None
         (measure,) = self.metric_wires(metric, 1)
-        if specs or capture is not None:
+        read = None
+        if specs or capture is not None or probes:
             engine_input = await self._rendered(prompt, kwargs.get("tokenization_kwargs"))
-            prompt, sampling_params, wire = self.steered_request(engine_input, sampling_params, specs, capture)
+            prompt, sampling_params, wire = self.steered_request(
+                engine_input, sampling_params, specs, capture, probe_specs.probes_of(probes)
+            )
+            read = (sampling_params.extra_args or {}).get(PROBES_KEY)
         if measure is not None:
             sampling_params = with_extra(sampling_params, METRIC_KEY, measure)
-        if wire is None and measure is None:
+        if wire is None and measure is None and read is None:
             async for output in super().generate(prompt, sampling_params, request_id, **kwargs):
                 yield output
             return
@@ -521,6 +621,8 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
                         attach_activations(output, wire, await self._take_captured([wire["key"]]))
                     if measure is not None:
                         output.metric = (await self._take_metrics([measure["key"]])).get(measure["key"])
+                    if read is not None:
+                        attach_probes(output, read, await self._take_probes([read["key"]]))
                 yield output
         finally:
             if not taken:  # aborted or failed: what was kept so far is let go
@@ -528,6 +630,11 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
                     await self._take_captured([wire["key"]])
                 if measure is not None:
                     await self._take_metrics([measure["key"]])
+                if read is not None:
+                    await self._take_probes([read["key"]])
+
+    async def _take_probes(self, keys: Sequence[str]) -> dict[str, Any]:
+        return merged(await self.collective_rpc("take_probes", args=(list(keys), True)))
 
     async def _take_metrics(self, keys: Sequence[str]) -> dict[str, float]:
         return merged(await self.collective_rpc("take_metrics", args=(list(keys),)))

@@ -23,7 +23,7 @@ from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import capture as in_engine_capture
 from . import containment
 from .capture import CAPTURE_SETTING
-from .memory import default_steering_entries
+from .memory import PROBE_COLUMNS, default_steering_entries
 from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform, no_saved_graphs
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
@@ -32,6 +32,8 @@ CONFIG_KEY = "nnterp_vllm_steering"
 SAES_SETTING = "saes"
 #: ``additional_config``'s key of the steering pool's size, in entries (`steering_pool`).
 STEERING_ENTRIES = "max_steering_entries"
+#: ``additional_config``'s key of the probe columns read at every block (`steering.probes`).
+PROBE_COLUMNS_SETTING = "max_probe_columns"
 #: vLLM engine arguments the steered engine sets itself or cannot serve.
 _REFUSED = {
     "worker_cls": "the steered engine runs its own worker (vLLM's worker for the platform, re-classed runner)",
@@ -59,6 +61,7 @@ def steering_settings(
     saes: Sequence[SAE] = (),
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
     steering_entries: int | None = None,
+    probe_columns: int = PROBE_COLUMNS,
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
@@ -80,10 +83,13 @@ def steering_settings(
     for name, bad in refused.items():
         if bad:
             raise ValueError(f"{name} is refused by the steered engine (got {given[name]!r}): {_REFUSED[name]}")
-    for name, number in (("directions_per_block", directions_per_block), ("entries", steering_entries)):
-        if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
-            setting = "max_steering_entries" if name == "entries" else f"steering_{name}"
-            raise ValueError(f"{setting} must be an int >= 1, got {number!r}")
+    for setting, number, least in (
+        ("steering_directions_per_block", directions_per_block, 1),
+        ("max_steering_entries", steering_entries, 1),
+        ("max_probe_columns", probe_columns, 0),
+    ):
+        if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < least):
+            raise ValueError(f"{setting} must be an int >= {least}, got {number!r}")
     choose_model_runner("the steered engine")
     no_saved_graphs("the steered engine")
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
@@ -98,6 +104,7 @@ def steering_settings(
         steering_entries = default_steering_entries(hidden, getattr(torch, placed["dtype"]), directions_per_block)
     settings = {
         STEERING_ENTRIES: steering_entries,
+        PROBE_COLUMNS_SETTING: probe_columns,
         "directions_per_block": directions_per_block,
         "code": _code_digest(),
         CAPTURE_SETTING: kept,
@@ -162,6 +169,7 @@ def steered_engine_args(
     saes: Any = None,
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
     steering_entries: int | None = None,
+    probe_columns: int = PROBE_COLUMNS,
 ) -> EngineArgs:
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
     ``capture_values``, holding ``saes``, its steering pool of ``steering_entries`` entries (the memory model's
@@ -185,7 +193,7 @@ def steered_engine_args(
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
     loaded = held(engine_args.model, given, saes)
     settings = steering_settings(
-        engine_args.model, given, capture_values, loaded, directions_per_block, steering_entries
+        engine_args.model, given, capture_values, loaded, directions_per_block, steering_entries, probe_columns
     )
     return dataclasses.replace(engine_args, **settings)
 

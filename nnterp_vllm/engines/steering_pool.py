@@ -57,30 +57,47 @@ def spec_locations(spec: dict[str, Any], num_layers: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Needs:
-    """What one request's steering takes of the pool: each of its rows (a tuple of spec digests) with the entry
-    it names at each location it acts at (`location`), each entry's specs in the order they apply, and which row
-    each of its token sets is (``None`` for none)."""
+    """What one request takes of the pool: each of its rows (a tuple of spec digests) with the entry it names at
+    each location it acts at (`location`), each entry's specs in the order they apply, which row each of its token
+    sets is (``None`` for none), and the probe columns it reads (its gates' and its probes' classes: each the block,
+    weights and bias of one read), each entry's gated specs with the column each reads, and its probes' columns by
+    name."""
 
     rows: dict[tuple, dict[int, tuple]]
     entries: dict[tuple, list[int]]
     prompt: tuple | None
     generated: tuple | None
     listed: dict[int, tuple | None]
+    columns: dict[tuple, tuple[int, list[float], float]] = dataclasses.field(default_factory=dict)
+    gates: dict[tuple, dict[int, tuple]] = dataclasses.field(default_factory=dict)
+    probes: dict[str, list[tuple]] = dataclasses.field(default_factory=dict)
 
 
 def applied_order(indices: Any, specs: list[dict[str, Any]], digests: list[str]) -> list[int]:
-    """Spec ``indices`` in the order they apply: patches and added vectors first (by digest: setting and adding
-    commute, so any order names the same content), then each direction in the request's order."""
-    adding = sorted((i for i in indices if specs[i]["kind"] in ("add", "patch")), key=lambda i: digests[i])
-    return adding + sorted(i for i in indices if specs[i]["kind"] not in ("add", "patch"))
+    """Spec ``indices`` in the order they apply: patches and ungated added vectors first (by digest: setting and
+    adding commute, so any order names the same content), then each direction (and gated addition) in the request's
+    order."""
+    first = [i for i in indices if specs[i]["kind"] in ("add", "patch") and specs[i].get("when") is None]
+    return sorted(first, key=lambda i: digests[i]) + sorted(i for i in indices if i not in first)
 
 
-def needs(steering: dict[str, Any], num_layers: int) -> Needs:
-    """The rows and entries a request's steering (engine form) takes on a model of ``num_layers`` blocks."""
-    specs, digests = steering["specs"], steering["digests"]
-    tokens = token_sets(steering)
+def needs(steering: dict[str, Any] | None, num_layers: int, probes: dict[str, Any] | None = None) -> Needs:
+    """The rows, entries and probe columns a request's steering and probes (engine form, or ``None``) take on a
+    model of ``num_layers`` blocks."""
     rows: dict[tuple, dict[int, tuple]] = {}
     entries: dict[tuple, list[int]] = {}
+    columns: dict[tuple, tuple[int, list[float], float]] = {}
+    gates: dict[tuple, dict[int, tuple]] = {}
+    read = {}
+    for probe in (probes or {}).get("probes", []):
+        keys = [(probe["digest"], index) for index in range(len(probe["weight"]))]
+        for key, weight, bias in zip(keys, probe["weight"], probe["bias"]):
+            columns[key] = (probe["layer"], weight, bias)
+        read[probe["name"]] = keys
+    if steering is None:
+        return Needs({}, {}, None, None, {}, columns, {}, read)
+    specs, digests = steering["specs"], steering["digests"]
+    tokens = token_sets(steering)
 
     def row(indices: tuple[int, ...]) -> tuple | None:
         if not indices:
@@ -97,11 +114,17 @@ def needs(steering: dict[str, Any], num_layers: int) -> Needs:
                 entry = tuple(digests[i] for i in applied)
                 entries.setdefault(entry, applied)
                 placed[layer] = entry
+                for i in applied:
+                    when = specs[i].get("when")
+                    if when is not None:
+                        column = (when["digest"], 0)
+                        columns[column] = (when["layer"], when["weight"], when["bias"])
+                        gates.setdefault(entry, {})[i] = column
             rows[key] = placed
         return key
 
     listed = {position: row(indices) for position, indices in tokens.listed.items()}
-    return Needs(rows, entries, row(tokens.prompt), row(tokens.generated), listed)
+    return Needs(rows, entries, row(tokens.prompt), row(tokens.generated), listed, columns, gates, read)
 
 
 def content_name(key: tuple) -> str:
@@ -157,18 +180,19 @@ class Slots:
 
 
 class SteeringPool:
-    """The scheduler's side of the pool: places each waiting request's rows and entries before it is scheduled,
-    within the room and the writes one step may stage, and takes them back when it finishes.
+    """The scheduler's side of the pool: places each waiting request's probe columns, entries and rows before it is
+    scheduled, within the room and the writes one step may stage, and takes them back when it finishes.
 
-    An entry is named by its specs' digests; a row by its specs' digests and the ids of the entries it names, so a
-    row left resident after one of its entries was placed elsewhere is never taken for current."""
+    A column is named by its read's digest and class; an entry by its specs' digests and the ids of the columns its
+    gates read; a row by its specs' digests and the ids of the entries it names: content left resident after what it
+    points at was placed elsewhere is never taken for current."""
 
-    def __init__(self, num_layers: int, rows: int, entries: int, writes_per_step: int) -> None:
+    def __init__(self, num_layers: int, rows: int, entries: int, writes_per_step: int, columns: int = 0) -> None:
         self.num_layers = num_layers
-        self.rows, self.entries = Slots(rows), Slots(entries)
+        self.rows, self.entries, self.columns = Slots(rows), Slots(entries), Slots(columns)
         self.writes_per_step = writes_per_step
-        #: Each placed request's entry keys and row keys.
-        self.held: dict[str, tuple[list[tuple], list[tuple]]] = {}
+        #: Each placed request's column, entry and row keys.
+        self.held: dict[str, tuple[list[tuple], list[tuple], list[tuple]]] = {}
         self.written_this_step = 0
         self.waiting_for_room = False
         #: How many times a request was passed over for want of room (a test or benchmark reads it).
@@ -180,54 +204,81 @@ class SteeringPool:
         self.waiting_for_room = False
 
     @staticmethod
-    def row_key(key: tuple, placed: dict[int, tuple], entries: dict[tuple, int]) -> tuple:
-        """A row's key: its specs' digests and, at each location, the id of its entry there (``None`` where the
-        entry is not placed yet: such a row is new)."""
-        return (key, tuple((at, entries.get(entry)) for at, entry in placed.items()))
+    def pointing(key: tuple, points: dict[Any, tuple], ids: dict[tuple, int]) -> tuple:
+        """A key of content that names other content (``points``: where it names which): its own key and the ids of
+        what it names (``None`` where that is not placed yet: such content is new)."""
+        return (key, tuple((at, ids.get(named)) for at, named in points.items()))
 
-    def admit(self, request_id: str, steering: dict[str, Any] | None) -> bool:
-        """Whether a waiting request (its steering in engine form, or ``None``) may be scheduled now, placing it if
-        it has not been: its engine form then says, under `PLACED`, where each of its rows and entries lies."""
-        if steering is None or request_id in self.held:
+    def admit(self, request_id: str, steering: dict[str, Any] | None, probes: dict[str, Any] | None = None) -> bool:
+        """Whether a waiting request (its steering and probes in engine form, or ``None``) may be scheduled now,
+        placing it if it has not been: its engine forms then say, under `PLACED`, where its content lies."""
+        if (steering is None and probes is None) or request_id in self.held:
             return True
-        wanted = needs(steering, self.num_layers)
-        new_entries = self.entries.missing(wanted.entries)
-        rows_now = [self.row_key(key, placed, self.entries.id_of) for key, placed in wanted.rows.items()]
+        wanted = needs(steering, self.num_layers, probes)
+        new_columns = self.columns.missing(wanted.columns)
+        entries_now = [self.pointing(key, wanted.gates.get(key, {}), self.columns.id_of) for key in wanted.entries]
+        new_entries = self.entries.missing(entries_now)
+        entry_ids = {key: self.entries.id_of.get(entry) for key, entry in zip(wanted.entries, entries_now)}
+        rows_now = [self.pointing(key, placed, entry_ids) for key, placed in wanted.rows.items()]
         new_rows = self.rows.missing(rows_now)
-        writes = len(new_rows) + len(new_entries)
-        fits = len(new_rows) <= self.rows.room(rows_now) and len(new_entries) <= self.entries.room(wanted.entries)
+        writes = len(new_rows) + len(new_entries) + len(new_columns)
+        fits = (
+            len(new_rows) <= self.rows.room(rows_now)
+            and len(new_entries) <= self.entries.room(entries_now)
+            and len(new_columns) <= self.columns.room(wanted.columns)
+        )
         staged = self.written_this_step == 0 or self.written_this_step + writes <= self.writes_per_step
         if writes and (self.waiting_for_room or not fits or not staged):
             self.waiting_for_room = True
             self.waits += 1
             return False
-        entries = self.entries.take(wanted.entries)
-        row_keys = {key: self.row_key(key, placed, entries) for key, placed in wanted.rows.items()}
+        columns = self.columns.take(wanted.columns)
+        entry_keys = {key: self.pointing(key, wanted.gates.get(key, {}), columns) for key in wanted.entries}
+        placed_entries = self.entries.take(entry_keys.values())
+        entries = {key: placed_entries[entry_keys[key]] for key in wanted.entries}
+        row_keys = {key: self.pointing(key, placed, entries) for key, placed in wanted.rows.items()}
         rows = self.rows.take(row_keys.values())
         self.written_this_step += writes
-        self.held[request_id] = (list(wanted.entries), list(row_keys.values()))
+        self.held[request_id] = (list(wanted.columns), list(entry_keys.values()), list(row_keys.values()))
+        where = {"columns": [[columns[key], content_name(key), *content] for key, content in wanted.columns.items()]}
+        if probes is not None:
+            probes[PLACED] = {
+                **where,
+                "probes": [[name, [columns[key] for key in keys]] for name, keys in wanted.probes.items()],
+            }
+        if steering is not None:
 
-        def row_of(key: tuple | None) -> int:
-            return 0 if key is None else rows[row_keys[key]]
+            def row_of(key: tuple | None) -> int:
+                return 0 if key is None else rows[row_keys[key]]
 
-        steering[PLACED] = {
-            "prompt": row_of(wanted.prompt),
-            "generated": row_of(wanted.generated),
-            "listed": [[position, row_of(key)] for position, key in wanted.listed.items()],
-            "rows": [
-                [row_of(key), content_name(row_keys[key]), [[at, entries[entry]] for at, entry in placed.items()]]
-                for key, placed in wanted.rows.items()
-            ],
-            "entries": [[entries[key], content_name(key), applied] for key, applied in wanted.entries.items()],
-        }
+            steering[PLACED] = {
+                **where,
+                "prompt": row_of(wanted.prompt),
+                "generated": row_of(wanted.generated),
+                "listed": [[position, row_of(key)] for position, key in wanted.listed.items()],
+                "rows": [
+                    [row_of(key), content_name(row_keys[key]), [[at, entries[entry]] for at, entry in placed.items()]]
+                    for key, placed in wanted.rows.items()
+                ],
+                "entries": [
+                    [
+                        entries[key],
+                        content_name(entry_keys[key]),
+                        applied,
+                        [[index, columns[column]] for index, column in wanted.gates.get(key, {}).items()],
+                    ]
+                    for key, applied in wanted.entries.items()
+                ],
+            }
         return True
 
     def release(self, request_id: str) -> None:
-        """A request finished (or was aborted): its rows and entries go back to the pool."""
+        """A request finished (or was aborted): its columns, entries and rows go back to the pool."""
         held = self.held.pop(request_id, None)
         if held is not None:
-            self.entries.give_back(held[0])
-            self.rows.give_back(held[1])
+            self.columns.give_back(held[0])
+            self.entries.give_back(held[1])
+            self.rows.give_back(held[2])
 
 
 __all__ = [

@@ -40,6 +40,7 @@ from ..components import vllm as on_vllm
 from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
+from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, feature_change
 from .capture import count_eager_run, locate
 from .memory import STEERING_PARAMS, Ledger
@@ -47,7 +48,41 @@ from .sae_encoding import DeviceSAE
 from .steering_pool import PLACED, location
 
 #: A direction slot's parameters, in ``params``' last axis.
-LOW, HIGH, OFFSET, THRESHOLD, SCALE, TOPK_FEATURE = range(STEERING_PARAMS)
+(
+    LOW,
+    HIGH,
+    OFFSET,
+    THRESHOLD,
+    SCALE,
+    TOPK_FEATURE,
+    GATE_COLUMN,
+    GATE_OP,
+    GATE_THRESHOLD,
+    GATE_FLOOR,
+    GATE_SIGMOID,
+) = range(STEERING_PARAMS)
+#: The probe buffers: the table's attribute -> the memory model's buffer.
+PROBE_BUFFERS = {
+    "probe_weights": "probe weights",
+    "probe_bias": "probe bias",
+    "probe_blocks": "probe blocks",
+    "probe_scores": "probe scores",
+}
+
+
+@torch.library.custom_op("nnterp_vllm::keep_scores", mutates_args=("scores",))
+def keep_scores(scores: torch.Tensor, read: torch.Tensor, here: torch.Tensor) -> None:
+    """Write a block's probe reads (``read``, ``[tokens, columns]``) into the step's ``scores`` for the columns read
+    at this block (``here``): the one write probes add to the compiled graph, in place."""
+    held = scores[: read.shape[0]]
+    held.copy_(torch.where(here, read, held))
+
+
+@keep_scores.register_fake
+def _keep_scores_shapes(scores: torch.Tensor, read: torch.Tensor, here: torch.Tensor) -> None:
+    return None
+
+
 #: The table's buffers: its attribute -> the memory model's buffer.
 TABLE_BUFFERS = {
     "vectors": "steering vectors",
@@ -74,6 +109,9 @@ class SteeringTable(torch.nn.Module):
         for name, buffer in TABLE_BUFFERS.items():
             self.register_buffer(name, ledger.allocate(buffer, fill=1.0 if name == "keep" else 0.0), False)
         neutral_parameters(self.params)
+        for name, buffer in PROBE_BUFFERS.items():
+            held = ledger.allocate(buffer, fill=-1 if name == "probe_blocks" else 0.0) if buffer in ledger else None
+            self.register_buffer(name, held, False)
         self.topk = topk
         self.encoding = encoding
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
@@ -83,6 +121,15 @@ class SteeringTable(torch.nn.Module):
     def directions(self) -> int:
         """Direction slots per entry."""
         return self.params.shape[1]
+
+    def read_probes(self, layer: int, stream: torch.Tensor) -> None:
+        """Read every probe column at block ``layer``'s output (``stream``, before its steering) into the step's
+        scores, for the columns whose block it is; pure tensor code (nothing where the engine reads no probes)."""
+        if self.probe_weights is None:
+            return
+        flat = stream.reshape(-1, stream.shape[-1])
+        read = (flat @ self.probe_weights.T).float() + self.probe_bias
+        torch.ops.nnterp_vllm.keep_scores(self.probe_scores, read, self.probe_blocks == layer)
 
     def steered(self, location: int, stream: torch.Tensor) -> torch.Tensor:
         """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at ``location`` (for each
@@ -95,11 +142,29 @@ class SteeringTable(torch.nn.Module):
         base = slots[:, 0] + dropped * stream
         delta = base
         for slot in range(self.directions):
-            delta = delta + self._change(stream + delta, slots, held, slot)
+            delta = delta + self._gated(self._change(stream + delta, slots, held, slot), held[:, slot])
         sae = self.topk.get(location)
         if sae is not None and not torch.compiler.is_compiling():  # a TopK step runs eagerly (`Steerer.eager`)
             delta = self._with_topk(sae, stream, slots, held, base, delta)
         return delta
+
+    def _gated(self, change: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """``change`` (``[tokens, hidden]``) where its slot's gate passes (``at``: the slot's parameters per token;
+        a slot with no gate always passes): the gate's column of the step's probe scores, through a sigmoid where
+        asked and zero up to its floor, compared with its threshold."""
+        if self.probe_scores is None:
+            return change
+        column = at[:, GATE_COLUMN]
+        read = self.probe_scores[: change.shape[-2]].gather(1, column.clamp(min=0).long()[:, None])[:, 0]
+        read = torch.where(at[:, GATE_SIGMOID] > 0, read.sigmoid(), read)
+        value = torch.where(read > at[:, GATE_FLOOR], read, torch.zeros_like(read))
+        op, threshold = at[:, GATE_OP], at[:, GATE_THRESHOLD]
+        passed = torch.where(
+            op == 0,
+            value > threshold,
+            torch.where(op == 1, value >= threshold, torch.where(op == 2, value < threshold, value <= threshold)),
+        )
+        return change * ((column < 0) | passed)[:, None].to(change.dtype)
 
     @staticmethod
     def _change(current: torch.Tensor, slots: torch.Tensor, held: torch.Tensor, slot: int, **topk: Any) -> torch.Tensor:
@@ -158,7 +223,7 @@ class SteeringTable(torch.nn.Module):
                     pre=pre.gather(-1, feature.clamp(min=0).long()[:, None])[:, 0],
                     floor=kth,
                 )
-                step = torch.where((feature >= 0)[:, None], exact, own)
+                step = self._gated(torch.where((feature >= 0)[:, None], exact, own), held_of[:, slot])
                 change = change + step
                 pre += (step.float() @ sae.W_enc) * sae.decoder_norms
             exact_delta[chosen] = change.to(delta.dtype)
@@ -169,32 +234,44 @@ def neutral_parameters(parameters: torch.Tensor) -> torch.Tensor:
     """Fill ``parameters`` (``[..., PARAMS]``) with parameters that move nothing; returns it."""
     parameters.zero_()
     parameters[..., LOW], parameters[..., HIGH], parameters[..., THRESHOLD] = -torch.inf, torch.inf, -torch.inf
-    parameters[..., SCALE], parameters[..., TOPK_FEATURE] = 1.0, -1.0
+    parameters[..., SCALE], parameters[..., TOPK_FEATURE], parameters[..., GATE_COLUMN] = 1.0, -1.0, -1.0
+    parameters[..., GATE_FLOOR] = -torch.inf
     return parameters
 
 
 def entry_content(
-    specs: Sequence[dict[str, Any]], hidden: int, directions: int
+    specs: Sequence[dict[str, Any]], hidden: int, directions: int, gates: Sequence[int | None] = ()
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One entry's content from the specs (engine form) it applies, in order: ``[1 + 2 * directions, hidden]`` (a
-    patch's vector and the added vectors, summed, then each cap's or clamp's read and write vectors in the next
-    slot), ``[directions, PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left out), and how much of the
-    stream it keeps (0 where a patch sets it, else 1)."""
+    patch's vector and the ungated added vectors, summed, then each cap's, clamp's or gated addition's read and
+    write vectors in the next slot), ``[directions, PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left
+    out; a gated spec's gate, reading the probe column ``gates[i]`` names for spec ``i``), and how much of the
+    stream it keeps (0 where a patch sets it, else 1). A gated addition moves the stream by its vector times its
+    factor (a slot reading nothing, its target that factor) where its gate passes."""
     content = torch.zeros(1 + 2 * directions, hidden, dtype=torch.float32)
     parameters = neutral_parameters(torch.empty(directions, STEERING_PARAMS))
     keep = 1.0
     slot = 0
-    for spec in specs:
+    for spec, column in zip(specs, list(gates) + [None] * (len(specs) - len(gates))):
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
-        if spec["kind"] in ("add", "patch"):
+        if spec["kind"] in ("add", "patch") and column is None:
             content[0] += spec.get("factor", 1.0) * vector
             keep = 0.0 if spec["kind"] == "patch" else keep
             continue
-        content[1 + 2 * slot] = vector
-        content[2 + 2 * slot] = torch.tensor(spec["write"]) if "write" in spec else vector
         held = parameters[slot]
-        low, high = spec["min"], spec["max"]
+        if spec["kind"] == "add":  # gated: reads nothing, moves by factor x vector
+            content[2 + 2 * slot] = vector
+            low = high = spec["factor"]
+        else:
+            content[1 + 2 * slot] = vector
+            content[2 + 2 * slot] = torch.tensor(spec["write"]) if "write" in spec else vector
+            low, high = spec["min"], spec["max"]
         held[LOW], held[HIGH] = -torch.inf if low is None else low, torch.inf if high is None else high
+        if column is not None:
+            when = spec["when"]
+            held[GATE_COLUMN], held[GATE_OP], held[GATE_THRESHOLD] = column, when["op"], when["threshold"]
+            held[GATE_FLOOR] = -torch.inf if when["floor"] is None else when["floor"]
+            held[GATE_SIGMOID] = float(when["sigmoid"])
         if spec["kind"] == "clamp":
             held[OFFSET], held[THRESHOLD], held[SCALE] = spec["offset"], spec["threshold"], spec["scale"]
             held[TOPK_FEATURE] = spec["topk"]["feature"] if spec["topk"] else -1
@@ -228,6 +305,7 @@ def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
     count_eager_run(block.nnterp_steering)
     value = block.nnterp_layer_output
     stream = value.pick("output", output, value.select)
+    block.nnterp_steering.read_probes(block.nnterp_layer, stream)
     return value.with_added(output, block.nnterp_steering.steered(block.nnterp_layer, stream))
 
 
@@ -313,6 +391,7 @@ class Steerer:
         #: What each entry and row holds (the key of its content), to write only content not held yet.
         self.entry_keys: dict[int, str] = {}
         self.row_keys: dict[int, str] = {}
+        self.column_keys: dict[int, str] = {}
         #: Rows whose entries clamp a TopK SAE's feature at a block where the engine holds that SAE.
         self.topk_rows: set[int] = set()
         self.row_writes = 0
@@ -367,14 +446,21 @@ class Steerer:
         extra = getattr(state.sampling_params, "extra_args", None) or {}
         wire = extra.get(EXTRA_ARGS_KEY)
         rows = None
+        probes = extra.get(PROBES_KEY)
+        if probes is not None:
+            self.place_columns(probes[PLACED]["columns"])
         if wire is not None:
             placed = wire[PLACED]
-            for entry, key, applied in placed["entries"]:
+            self.place_columns(placed["columns"])
+            for entry, key, applied, gates in placed["entries"]:
                 if self.entry_keys.get(entry) != key:
-                    self._write_entry(entry, [wire["specs"][i] for i in applied])
+                    gated = dict(gates)
+                    self._write_entry(entry, [wire["specs"][i] for i in applied], [gated.get(i) for i in applied])
                     self.entry_keys[entry] = key
             topk_entries = {
-                entry for entry, _, applied in placed["entries"] if any(wire["specs"][i].get("topk") for i in applied)
+                entry
+                for entry, _, applied, _ in placed["entries"]
+                if any(wire["specs"][i].get("topk") for i in applied)
             }
             topk_rows = set()
             for row, key, at in placed["rows"]:
@@ -390,8 +476,21 @@ class Steerer:
         self.requests[request_id] = rows
         return rows
 
-    def _write_entry(self, entry: int, specs: list[dict[str, Any]]) -> None:
-        content, parameters, keep = entry_content(specs, self.hidden, self.directions)
+    def place_columns(self, columns: list[list[Any]]) -> None:
+        """Write the probe columns a request reads (``[id, key, block, weights, bias]`` each) where this worker does
+        not hold them yet."""
+        for column, key, layer, weight, bias in columns:
+            if self.column_keys.get(column) != key:
+                content = torch.tensor(weight, dtype=torch.float32)
+                if self.staged is None:
+                    self.buffers.probe_weights[column].copy_(content)
+                    self.buffers.probe_bias[column], self.buffers.probe_blocks[column] = bias, layer
+                else:
+                    self.staged.column(self.buffers, column, content, bias, layer)
+                self.column_keys[column] = key
+
+    def _write_entry(self, entry: int, specs: list[dict[str, Any]], gates: list[int | None]) -> None:
+        content, parameters, keep = entry_content(specs, self.hidden, self.directions, gates)
         if self.staged is None:
             self.buffers.vectors[entry].copy_(content)
             self.buffers.params[entry].copy_(parameters)
@@ -496,22 +595,26 @@ class Staging:
         self.vectors = ledger.allocate("steering vectors written")
         self.parameters = ledger.allocate("steering parameters written")
         self.keep = ledger.allocate("steering keep written")
+        probes = "probe weights written" in ledger
+        self.columns = ledger.allocate("probe weights written") if probes else None
+        self.column_bias = ledger.allocate("probe bias written") if probes else None
+        self.column_blocks = ledger.allocate("probe blocks written") if probes else None
         self.rows = ledger.allocate("steering rows written")
         self.token_rows = ledger.allocate("steering token rows written")
         self.device = torch.get_device_module(ledger.device)
-        self.used = {"entries": 0, "rows": 0}
+        self.used = {"entries": 0, "rows": 0, "columns": 0}
 
     def new_step(self) -> None:
         """A step's writes begin: every staging slot is free (vLLM's input preparation waited for the last step's
         copies)."""
-        self.used = {"entries": 0, "rows": 0}
+        self.used = {"entries": 0, "rows": 0, "columns": 0}
 
     def _slot(self, kind: str, capacity: int) -> int:
         if self.used[kind] == capacity:
             done = self.device.Event()
             done.record()
             done.synchronize()
-            self.used = {"entries": 0, "rows": 0}
+            self.used = {"entries": 0, "rows": 0, "columns": 0}
         slot = self.used[kind]
         self.used[kind] += 1
         return slot
@@ -527,6 +630,15 @@ class Staging:
         table.vectors[entry].copy_(self.vectors[slot], non_blocking=True)
         table.params[entry].copy_(self.parameters[slot], non_blocking=True)
         table.keep[entry : entry + 1].copy_(self.keep[slot : slot + 1], non_blocking=True)
+
+    def column(self, table: SteeringTable, column: int, weight: torch.Tensor, bias: float, layer: int) -> None:
+        """Write a probe column (its weights, bias and block) to ``table`` through the staging."""
+        slot = self._slot("columns", self.columns.shape[0])
+        self.columns[slot].copy_(weight)
+        self.column_bias[slot], self.column_blocks[slot] = bias, layer
+        table.probe_weights[column].copy_(self.columns[slot], non_blocking=True)
+        table.probe_bias[column : column + 1].copy_(self.column_bias[slot : slot + 1], non_blocking=True)
+        table.probe_blocks[column : column + 1].copy_(self.column_blocks[slot : slot + 1], non_blocking=True)
 
     def row(self, table: SteeringTable, row: int, content: torch.Tensor) -> None:
         """Write a row's entries (one per block) to ``table`` through the staging."""

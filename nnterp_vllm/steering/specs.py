@@ -64,6 +64,9 @@ class Steering(Placed):
         factor: A finite number the vector is multiplied by.
         positions: ``"all"`` (default: prompt and generated tokens), ``"prompt"``, ``"generated"``, or
             a list of prompt positions (negative counting from the prompt's end).
+        when: ``None`` (every token at ``positions``), or a gate: ``(Probe, op, threshold)`` or ``(sae, feature, op,
+            threshold)`` (`steering.probes.gate`), read at a block at or before this spec's, per token; the spec acts
+            only on the tokens whose read passes.
 
     The checks that need no model run here; the vector's width, the layer range and the positions
     against the prompt are checked when a request carrying the spec is made.
@@ -73,12 +76,14 @@ class Steering(Placed):
     vector: torch.Tensor | Sequence[float] = field(repr=False)
     factor: float = 1.0
     positions: str | Sequence[int] = "all"
+    when: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", arguments.layer_list(self.layers, WHAT))
         object.__setattr__(self, "vector", arguments.one_vector(self.vector, WHAT).detach())
         object.__setattr__(self, "factor", arguments.finite_number(self.factor, WHAT))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, WHAT))
+        check_when(self.when, WHAT)
 
     def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on a model of ``num_layers``
@@ -103,6 +108,7 @@ class Cap(Placed):
         min: The lowest projection kept, or ``None``.
         max: The highest projection kept, or ``None``.
         positions: As `Steering` takes them.
+        when: As `Steering` takes it.
     """
 
     vector: torch.Tensor | Sequence[float] = field(repr=False)
@@ -110,6 +116,7 @@ class Cap(Placed):
     min: float | None = None
     max: float | None = None
     positions: str | Sequence[int] = "all"
+    when: Any = field(default=None, repr=False)
     what = "Cap"
 
     def __post_init__(self) -> None:
@@ -135,6 +142,12 @@ class Cap(Placed):
         object.__setattr__(self, "min", bounds[0])
         object.__setattr__(self, "max", bounds[1])
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, what))
+        check_when(self.when, what)
+        if self.when is not None and self.layers == EVERYWHERE:
+            raise ValueError(
+                f"{what}: layers={EVERYWHERE!r} acts on the stream entering the first block, before any block a gate "
+                "could read: name the blocks it acts on to gate it"
+            )
 
     def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
         """This spec in its engine form (as `Steering.resolved`): the unit direction and its bounds."""
@@ -159,6 +172,7 @@ class Ablate(Cap):
             its MLP's input and its output hold none of it either). Or a standardized block index or a list of
             them: the stream leaving those blocks only, where `Steering` adds.
         positions: As `Steering` takes them.
+        when: As `Steering` takes it (with block indices only).
     """
 
     what = "Ablate"
@@ -168,15 +182,16 @@ class Ablate(Cap):
         vector: torch.Tensor | Sequence[float],
         layers: int | Sequence[int] | str = EVERYWHERE,
         positions: str | Sequence[int] = "all",
+        when: Any = None,
     ) -> None:
-        super().__init__(vector, layers, 0.0, 0.0, positions)
+        super().__init__(vector, layers, 0.0, 0.0, positions, when)
 
     def __repr__(self) -> str:
         return f"Ablate(layers={self.layers!r}, positions={self.positions!r})"
 
     def at_positions(self, positions: str | Sequence[int]) -> Ablate:
         """This ablation at ``positions`` instead of its own."""
-        return Ablate(self.vector, self.layers, positions)
+        return Ablate(self.vector, self.layers, positions, self.when)
 
     def scaled(self, factor: float) -> Ablate:
         """This ablation: it removes the whole direction whatever the factor."""
@@ -198,6 +213,7 @@ class Clamp(Placed):
         value: The activation it is set to (a finite number), or
         scale: the factor its activation is multiplied by; give exactly one.
         positions: As `Steering` takes them.
+        when: As `Steering` takes it.
     """
 
     sae: Any = field(repr=False)
@@ -205,6 +221,7 @@ class Clamp(Placed):
     value: float | None = None
     scale: float | None = None
     positions: str | Sequence[int] = "all"
+    when: Any = field(default=None, repr=False)
     what = "Clamp"
 
     def __post_init__(self) -> None:
@@ -222,6 +239,7 @@ class Clamp(Placed):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, arguments.finite_number(getattr(self, name), what, name))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, what))
+        check_when(self.when, what)
 
     @property
     def layers(self) -> list[int]:
@@ -438,7 +456,23 @@ def _resolved(
     positions = spec.positions
     if not isinstance(positions, str):
         positions = sorted(set(arguments.positions_within(positions, prompt_length, what)))
-    return {"layers": layers, "vector": vector.to(device="cpu", dtype=torch.float32).tolist(), "positions": positions}
+    resolved = {
+        "layers": layers,
+        "vector": vector.to(device="cpu", dtype=torch.float32).tolist(),
+        "positions": positions,
+    }
+    when = getattr(spec, "when", None)
+    if when is not None:
+        from .probes import gate
+
+        resolved["when"] = gate(when, num_layers, hidden_size, what)
+        later = [layer for layer in layers if layer < resolved["when"]["layer"]]
+        if later:
+            raise ValueError(
+                f"{what}: when reads block {resolved['when']['layer']}'s output, after blocks {later} the spec acts "
+                "on: a gate is read at a block at or before the spec's"
+            )
+    return resolved
 
 
 def specs_of(steering: Any, where: str = "steering") -> list[Steering | Cap]:
@@ -535,6 +569,25 @@ def listed(resolved: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, An
 DIRECTION_KINDS = ("cap", "clamp")
 
 
+def takes_direction(entry: dict[str, Any]) -> bool:
+    """Whether a spec in engine form takes a direction slot: a cap or clamp, or a gated addition (which moves the
+    stream by its vector only where its gate passes)."""
+    return entry["kind"] in DIRECTION_KINDS or entry.get("when") is not None
+
+
+def check_when(when: Any, what: str) -> None:
+    """Refuse a ``when`` of the wrong form as the spec is made (the read itself is checked against the model)."""
+    from .probes import OPERATORS
+
+    if when is None:
+        return
+    if not isinstance(when, tuple) or len(when) not in (3, 4) or when[-2] not in OPERATORS:
+        raise ValueError(
+            f"{what}: when is (Probe, op, threshold) or (sae, feature, op, threshold), op one of "
+            f"{', '.join(OPERATORS)}, got {when!r}"
+        )
+
+
 def check_patches(resolved: Sequence[dict[str, Any]]) -> None:
     """Refuse two patch entries that set the same value of the same block at the same position; ``ValueError``."""
     seen: dict[tuple, int] = {}
@@ -600,7 +653,7 @@ def check_directions(
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
         per_layer: dict[Any, list[int]] = {}
         for i in indices:
-            if resolved[i]["kind"] in DIRECTION_KINDS:
+            if takes_direction(resolved[i]):
                 layers = resolved[i]["layers"]
                 for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
