@@ -33,6 +33,7 @@ from nnterp_vllm import (
     Steering,
     UnsupportedFamily,
 )
+from nnterp_vllm.engines.steered_settings import kept_values
 from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS, shutdown_llm
 from nnterp_vllm.harvest.selection import BLOCK_ORDER, Selection
 from nnterp_vllm.steering.specs import per_prompt, specs_of
@@ -600,8 +601,12 @@ class TestSteeredVLLM:
         assert family.model.request_counter.counter == requests
         with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
             Capture("layers.2.sae_features", top_k=0)
-        with pytest.raises(ValueError, match="is encoded from a block's kept layer_output: keep that"):
+        with pytest.raises(ValueError, match=r"layers.2.sae_features is encoded by the SAE .* blocks none: add"):
             SteeredVLLM(family.path, capture_values=["layers.2.sae_features"])
+        # An engine asked to keep an SAE's features keeps what they are encoded from: the block's output.
+        held = [family.saes["topk"]]
+        kept = kept_values(["layers.2.sae_features", "layers.0.layer_output"], family.hf.num_layers, {}, held)
+        assert kept == ["layers.0.layer_output", "layers.2.layer_output"]
 
     def test_a_topk_feature_the_engine_does_not_hold_is_refused_before_it_runs(self, family, tmp_path):
         reference.saelens_sae(tmp_path / "other", "topk", "blocks.1.hook_resid_post", family.hf.hidden_size, k=4)

@@ -95,7 +95,7 @@ def steering_settings(
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
     families.lookup(Standardized._model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
-    kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional)
+    kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional, saes)
     plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
     # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
     placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
@@ -123,12 +123,30 @@ def steering_settings(
     }
 
 
-def kept_values(capture_values: Any, num_layers: int, additional_config: dict[str, Any]) -> list[str]:
+def kept_values(
+    capture_values: Any, num_layers: int, additional_config: dict[str, Any], saes: Sequence[SAE] = ()
+) -> list[str]:
     """The value names an engine built with ``capture_values`` keeps (none for ``None``), checked as `Capture`
-    checks its values; ValueError for a value after the blocks the engine runs (``additional_config``)."""
+    checks its values: a block's ``sae_features`` is kept as that block's ``layer_output`` (its features are encoded
+    from it), the engine holding an SAE there (``saes``); ValueError for a value after the blocks the engine runs
+    (``additional_config``)."""
     if capture_values is None:
         return []
-    names = capture_specs.value_names(capture_specs.static_selectors(capture_values, "capture_values"), num_layers)
+    selectors = capture_specs.static_selectors(capture_values, "capture_values", (capture_specs.SAE_FEATURES,))
+    held_at = {sae.layer for sae in saes}
+    names = []
+    for name in capture_specs.value_names(selectors, num_layers):
+        if name.endswith(f".{capture_specs.SAE_FEATURES}"):
+            layer = int(name.split(".")[1])
+            if layer not in held_at:
+                holding = sorted(held_at) or "none"
+                raise ValueError(
+                    f"capture_values: {name} is encoded by the SAE the engine holds at block {layer}; it holds SAEs at "
+                    f"blocks {holding}: add that SAE to saes=[...]"
+                )
+            name = f"layers.{layer}.layer_output"
+        if name not in names:
+            names.append(name)
     blocks = blocks_to_run(additional_config, num_layers)
     deeper = [
         name
