@@ -8,7 +8,8 @@
     model, corpus, context and batch size (its model and a local text dataset, offline);
 (e) our harvest on vLLM through nnsight (a `StandardizedVLLM` passed in), all 30 ``layer_output`` s;
 (f) our harvest on vLLM as it runs by default, the values kept inside the engine's compiled model, of all 30
-    ``layer_output`` s and of ``layers.3.layer_output``, each by an engine built for it as the harvest builds
+    ``layer_output`` s and of ``layers.3.layer_output`` (and (f-last) of all 30 at each row's last position only:
+    tokens/s counts the tokens fed through the model), each by an engine built for it as the harvest builds
     one (the second runs 4 blocks), against (g) plain vLLM prefilling the same rows (``max_tokens=1``, its
     default compiled mode, the same scheduler settings), the ceiling;
 in the two arrangements of vLLM's engine: in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the harvest
@@ -66,14 +67,26 @@ SHARD_VARIABLE = "NNTERP_BENCH_SHARD_BYTES"
 SHALLOW = 3  # the block (c) and (d) read: layers.3.layer_output, SAELens's model.layers.3
 READ_BATCH = 1024
 #: Measured in alternating rounds: each ratio's two sides see the same load.
-PAIRED = ("plain", "ours", "plain-4", "ours-3", "plain-vllm", "vllm", "plain-vllm-own", "vllm-own", "disk", "writer")
+PAIRED = (
+    "plain",
+    "ours",
+    "plain-4",
+    "ours-3",
+    "plain-vllm",
+    "vllm",
+    "vllm-last",
+    "plain-vllm-own",
+    "vllm-own",
+    "disk",
+    "writer",
+)
 PEERS = ("vllm-lens", "interp-engine", "vllm-lens-own", "interp-engine-own")
 #: Measured in the rounds where ``--out`` names a store.
 STORE = ("vllm-store",)
 #: Measured once, after the rounds.
 ONCE = ("saelens", "vllm-nnsight", "read", "read-vllm", "read-store")
 #: The measurements of the short-documents workload.
-SHORT = ("plain-vllm", "vllm", "plain-vllm-own", "vllm-own", *PEERS, "disk", "writer")
+SHORT = ("plain-vllm", "vllm", "vllm-last", "plain-vllm-own", "vllm-own", *PEERS, "disk", "writer")
 #: vLLM's engine arrangement per measurement: ``0`` in the measuring process, ``1`` in a process of its own; the
 #: default harvest is left to choose (it runs its engine in its process unless told).
 ENGINE_PROCESS = {
@@ -228,11 +241,13 @@ def our_harvest(
     selections: list[list[str]],
     out: Path,
     through_nnsight: bool = False,
+    positions: str = "all",
 ):
     """Per selection: tokens harvested to disk (a directory under ``out``) by a model built for it as the
     harvest builds one (`build_settings`: attention on transformers, the blocks run and the in-engine path on
-    vLLM; a `StandardizedVLLM` where ``through_nnsight``); seconds and CPU seconds, model loading excluded;
-    the attention used; the blocks each forward ran; the vLLM path."""
+    vLLM; a `StandardizedVLLM` where ``through_nnsight``), at ``positions`` (the tokens counted are those that went
+    through the model, whatever is kept of them); seconds and CPU seconds, model loading excluded; the attention
+    used; the blocks each forward ran; the vLLM path."""
     from nnterp_vllm.harvest import harvest
     from nnterp_vllm.harvest.compute import build_settings, load_model
     from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS, EngineHarvester
@@ -257,9 +272,11 @@ def our_harvest(
                 overflow="pack" if context_length else None,
                 batch_size=BATCH_SIZE,
                 shard_bytes=int(os.environ.get(SHARD_VARIABLE, SHARD_BYTES)),
+                positions=positions,
                 progress=False,
             )
-            run = measured(len(result), began, cpu)
+            fed = len(result) if positions == "all" else sum(map(len, harvest_rows(checkpoint, corpus, context_length)))
+            run = measured(fed, began, cpu)
         finally:
             if engine == "vllm":
                 model.shutdown()
@@ -348,6 +365,10 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, 
         for directory in (out, out.with_name(f"{out.name}-1")):
             shutil.rmtree(directory, ignore_errors=True)
         done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], out)}
+    elif name == "vllm-last":
+        out = scratch / name
+        shutil.rmtree(out, ignore_errors=True)
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out, positions="last")}
     elif name == "vllm-store":
         out = f"{known['out'].rstrip('/')}/{os.getpid()}-{time.time_ns()}"  # a new harvest each round
         done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out)}
@@ -482,6 +503,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         "disk": "(w) the disk: plain write + fsync, same bytes as (f)",
         "writer": "(w2) the harvest's writing alone, + fsync, same bytes",
         "vllm-store": "(s) our harvest on vLLM in the engine, all 30, to the store",
+        "vllm-last": "(f-last) our harvest on vLLM in the engine, all 30, each row's last position",
     }
     rows = f"{args.documents} documents packed into rows of {args.context_length}"
     if workload == "short":
@@ -542,6 +564,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         ratio(f"(f)/({peer}) tokens/s", "vllm", peer, ">= 1.2")
         ratio(f"({peer})/(f) CPU per token", peer, "vllm", "", by=cpu)
     ratio("(w2)/(w) bytes/s: the harvest's writing / the disk", "writer", "disk", ">= 0.9", by=written)
+    ratio("(f-last)/(f) tokens/s: each row's last position / every position", "vllm-last", "vllm", ">= 1")
     ratio("(s)/(f) tokens/s: to the store / to disk", "vllm-store", "vllm", ">= 0.9")
     ratio("(s)/(g) tokens/s: to the store / plain vLLM prefill", "vllm-store", "plain-vllm", "")
     if "read-store" in results and "read-vllm" in results:

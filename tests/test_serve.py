@@ -41,6 +41,7 @@ from nnterp_vllm import (
     Clamp,
     LogitDiff,
     Patch,
+    Probe,
     Recovered,
     StandardizedTransformer,
     StandardizedVLLM,
@@ -82,6 +83,8 @@ SAME_LENGTH = "Hello, how are you?"
 #: Prompts of the concurrent traces, one per client.
 TRACE_PROMPTS = ["Hello world", "The cat", "A dog ran far", "Blue sky", "One two three", "Red", "Green tea", "Paris is"]
 #: Captures of the SAEs' features the server holds (--sae): a TopK SAE's top 4, a standard SAE's chosen features.
+#: A probe read over HTTP, and gating a spec.
+SERVED_PROBE = Probe(torch.linspace(-1, 1, tiny.SIZES["hidden_size"]), bias=0.1, layer=1)
 #: A patching sweep over HTTP: the prompts, blocks and positions, and the tokens its logit difference reads.
 SWEEP = {
     "clean": "Anna met Bert; Bert gave a gift to",
@@ -345,6 +348,7 @@ def served(tmp_path_factory):
                 Steering(0, found["inline"]),
             ],
         ),
+        "gated": (PROMPT, [Steering(1, found["inline"], factor=3.0, when=(SERVED_PROBE, ">", 0.0))]),
         "patches": (
             PROMPT,
             [
@@ -365,6 +369,7 @@ def served(tmp_path_factory):
             capture=[CAPTURED, CAPTURED, *SAE_CAPTURES],
         )
         swept = patch_sweep(llm, **SWEEP, metric=Recovered(LogitDiff(*SWEPT_TOKENS)))
+        (probed,) = llm.generate(PROMPT, SamplingParams(**GREEDY, ignore_eos=True), probes={"p": SERVED_PROBE})
     finally:
         llm.shutdown()
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
@@ -399,9 +404,36 @@ def served(tmp_path_factory):
             concurrent=list(zip(concurrent, tokens[len(single) :])),
             traced=traced,
             swept=swept,
+            probed=probed.probes["p"],
         )
     finally:
         server.stop()
+
+
+def test_probes_and_gated_specs_over_http_equal_the_steered_engines(served):
+    """A request's ``probes`` come back in its choice, per kept token, as `SteeredVLLM.generate` reads them; a spec
+    gated ``when`` a probe fires answers as the engine's; bad probes and gates are 400s naming the field."""
+    probe = {"weight": SERVED_PROBE.weight[:, 0].tolist(), "bias": 0.1, "layer": 1}
+    response = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, "probes": {"p": probe}})
+    assert response.status_code == 200, response.text
+    torch.testing.assert_close(torch.tensor(response.json()["choices"][0]["probes"]["p"]), served.probed)
+    gated = [
+        {
+            "layers": 1,
+            "vector": served.vectors["inline"].tolist(),
+            "factor": 3.0,
+            "when": {"probe": probe, "op": ">", "threshold": 0.0},
+        }
+    ]
+    assert completion_tokens(served, gated, False) == served.expected["gated"]
+    for body, param in (
+        ({"probes": {"p": {**probe, "weight": [1.0] * 7}}}, "probes.p.weight"),
+        ({"probes": {"p": {**probe, "depth": 3}}}, "probes.p.depth"),
+        ({"probes": {"p": probe}, "stream": True}, "stream"),
+        ({"steering": [{**gated[0], "when": {"probe": probe, "op": "==", "threshold": 0}}]}, "steering[0].when.op"),
+    ):
+        refused = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
 def test_a_patch_sweep_over_http_equals_the_steered_engines(served):

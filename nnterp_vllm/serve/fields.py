@@ -20,6 +20,7 @@ import torch
 from .. import arguments
 from ..capture import SAE_FEATURES, TOP_K, Capture
 from ..steering.metrics import LogitDiff, Logprob, Recovered
+from ..steering.probes import OPERATORS, Probe
 from ..steering.saes import SAE
 from ..steering.specs import (
     EVERYWHERE,
@@ -51,6 +52,7 @@ SPEC_FIELDS = (
     "value",
     "scale",
     "positions",
+    "when",
 )
 #: The fields only one kind of spec takes (`specs.KINDS`).
 OWN_FIELDS = tuple(name for _, names in KINDS.values() for name in names)
@@ -100,8 +102,13 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
                 f"{where}: unknown field {name!r}; a spec has {', '.join(SPEC_FIELDS)}", f"{where}.{name}"
             )
     kind = _kind(spec, where)
+    if "when" in spec and kind == "patch":
+        raise InvalidField(
+            f"{where}: a 'patch' spec is not gated; 'when' gates add, ablate, cap and clamp specs", f"{where}.when"
+        )
+    when = read_when(spec["when"], f"{where}.when", hidden_size) if "when" in spec else None
     if kind == "clamp":
-        return _read_clamp(spec, where)
+        return {**_read_clamp(spec, where), "when": when}
     if kind == "patch":
         return _read_patch(spec, where, num_layers, hidden_size)
     if "vector" not in spec:
@@ -131,7 +138,7 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
         _read_bounds(spec, where, read)
     with naming(f"{where}.positions"):
         arguments.phase_or_positions(read["positions"], where)
-    return read
+    return {**read, "when": when}
 
 
 def _kind(spec: dict[str, Any], where: str) -> str:
@@ -208,13 +215,14 @@ def _read_bounds(spec: dict[str, Any], where: str, read: dict[str, Any]) -> None
         )
 
 
-def _spec(read: dict[str, Any], layers: Any, vector: torch.Tensor) -> Steering | Cap:
-    """The spec a read field of its kind makes, at ``layers`` with ``vector``."""
+def _spec(read: dict[str, Any], layers: Any, vector: torch.Tensor, saes: Mapping[str, SAE]) -> Steering | Cap:
+    """The spec a read field of its kind makes, at ``layers`` with ``vector`` (its gate's SAE from ``saes``)."""
+    when = gate_of(read["when"], saes)
     if read["kind"] == "add":
-        return Steering(layers, vector, read["factor"], read["positions"])
+        return Steering(layers, vector, read["factor"], read["positions"], when)
     if read["kind"] == "ablate":
-        return Ablate(vector, layers, read["positions"])
-    return Cap(vector, layers, read["min"], read["max"], read["positions"])
+        return Ablate(vector, layers, read["positions"], when)
+    return Cap(vector, layers, read["min"], read["max"], read["positions"], when)
 
 
 def named_vectors(specs: Sequence[dict[str, Any]]) -> set[str]:
@@ -255,7 +263,7 @@ def with_vectors(
                     f"steering[{i}].layers",
                 )
             with naming(f"steering[{i}].vector"):
-                steering.append(_spec(spec, layers, vector))
+                steering.append(_spec(spec, layers, vector, saes or {}))
             continue
         if layers == EVERYWHERE:
             raise InvalidField(
@@ -272,7 +280,7 @@ def with_vectors(
                 f"steering[{i}].layers",
             )
         with naming(f"steering[{i}].vector"):
-            steering += [_spec(spec, layer, vector[layer]) for layer in chosen]
+            steering += [_spec(spec, layer, vector[layer], saes or {}) for layer in chosen]
     return steering
 
 
@@ -289,7 +297,9 @@ def _clamp(spec: dict[str, Any], where: str, saes: Mapping[str, SAE]) -> Clamp:
             f"{where}: SAE {spec['sae']!r} has {sae.d_sae} features (0..{sae.d_sae - 1}), not {spec['feature']}",
             f"{where}.feature",
         )
-    return Clamp(sae, spec["feature"], spec.get("value"), spec.get("scale"), spec["positions"])
+    with naming(f"{where}.when"):
+        when = gate_of(spec["when"], saes)
+    return Clamp(sae, spec["feature"], spec.get("value"), spec.get("scale"), spec["positions"], when)
 
 
 def checked_vector(value: Any, hidden_size: int, what: str) -> torch.Tensor:
@@ -520,3 +530,76 @@ def read_metric(metric: Any, where: str) -> LogitDiff | Logprob | Recovered:
             raise InvalidField(f"{where}.of: recovered measures a logit_diff or logprob metric", f"{where}.of")
         return Recovered(measured)
     return LogitDiff(metric["correct"], metric["wrong"]) if kind == "logit_diff" else Logprob(metric["token"])
+
+
+#: The fields of one probe of a request's ``probes`` field.
+PROBE_FIELDS = ("weight", "bias", "layer", "positions", "activation")
+
+
+def read_probe(probe: Any, where: str, hidden_size: int) -> Probe:
+    """One probe of a request body (``{"weight", "bias", "layer", "positions", "activation"}``, its weight a list of
+    floats or one list per class... as ``[hidden]`` or ``[hidden][classes]``) as a `Probe`; `InvalidField`."""
+    if not isinstance(probe, dict):
+        raise InvalidField(f"{where}: a probe is an object {{{', '.join(PROBE_FIELDS)}}}", where)
+    for name in probe:
+        if name not in PROBE_FIELDS:
+            raise InvalidField(
+                f"{where}: unknown field {name!r}; a probe has {', '.join(PROBE_FIELDS)}", f"{where}.{name}"
+            )
+    for name in ("weight", "layer"):
+        if name not in probe:
+            raise InvalidField(f"{where}: the field {name!r} is required", f"{where}.{name}")
+    with naming(f"{where}.weight"):
+        made = Probe(
+            probe["weight"],
+            probe.get("bias", 0.0),
+            probe["layer"],
+            probe.get("positions", "all"),
+            probe.get("activation"),
+        )
+        if made.weight.shape[0] != hidden_size:
+            raise ValueError(f"{where}: weight is {made.weight.shape[0]} wide; this model's stream is {hidden_size}")
+    return made
+
+
+def read_probes(probes: Any, hidden_size: int) -> dict[str, Probe] | None:
+    """A request's ``probes`` field (``None``, or an object from names to probes, `read_probe`); `InvalidField`."""
+    if probes is None:
+        return None
+    if not isinstance(probes, dict) or not probes:
+        raise InvalidField("probes is a non-empty object from names to probes {'weight', 'layer', ...}", "probes")
+    return {name: read_probe(probe, f"probes.{name}", hidden_size) for name, probe in probes.items()}
+
+
+def read_when(when: Any, where: str, hidden_size: int) -> dict[str, Any]:
+    """A spec's ``when``: ``{"probe": {...}, "op", "threshold"}`` or ``{"sae": NAME, "feature", "op", "threshold"}``
+    (the SAE resolved by `gate_of`); `InvalidField` naming the field."""
+    if not isinstance(when, dict) or not ({"probe", "sae"} & set(when)):
+        raise InvalidField(
+            f"{where}: a gate is {{'probe': {{...}}, 'op', 'threshold'}} or {{'sae', 'feature', 'op', 'threshold'}}",
+            where,
+        )
+    allowed = ("probe", "op", "threshold") if "probe" in when else ("sae", "feature", "op", "threshold")
+    for name in when:
+        if name not in allowed:
+            raise InvalidField(f"{where}: a gate takes {', '.join(allowed)}, not {name!r}", f"{where}.{name}")
+    if when.get("op") not in OPERATORS:
+        raise InvalidField(f"{where}: op is one of {', '.join(OPERATORS)}, got {when.get('op')!r}", f"{where}.op")
+    with naming(f"{where}.threshold"):
+        arguments.finite_number(when.get("threshold"), where, "threshold")
+    if "probe" in when:
+        return {**when, "probe": read_probe(when["probe"], f"{where}.probe", hidden_size)}
+    return dict(when)
+
+
+def gate_of(when: dict[str, Any] | None, saes: Mapping[str, SAE]) -> tuple | None:
+    """A read ``when`` as a spec's ``when`` tuple, its SAE taken from ``saes`` by name; `InvalidField`."""
+    if when is None:
+        return None
+    if "probe" in when:
+        return (when["probe"], when["op"], when["threshold"])
+    sae = saes.get(when["sae"])
+    if sae is None:
+        held = ", ".join(sorted(saes)) or "none (start the server with --sae NAME=DIR)"
+        raise InvalidField(f"when: no SAE is registered as {when['sae']!r}; this server holds {held}", "when.sae")
+    return (sae, when.get("feature"), when["op"], when["threshold"])

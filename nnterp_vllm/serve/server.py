@@ -52,6 +52,7 @@ from .fields import (
     named_vectors,
     read_capture,
     read_patch_sweep,
+    read_probes,
     read_registration,
     read_steering,
     with_vectors,
@@ -73,6 +74,7 @@ STEERING_ROUTES = (
     "/invocations",
 )
 CAPTURE = "capture"
+PROBES = "probes"
 #: The routes that serve ``capture`` (answered whole, each choice with its ``activations``; elsewhere refused).
 CAPTURE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 VECTORS_PATH = "/v1/steering/vectors"
@@ -94,17 +96,22 @@ class SteeringEngineClient(AsyncSteeredVLLM):
         *,
         steering: Any = None,
         capture: Capture | None = None,
+        probes: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
-        """`AsyncSteeredVLLM.generate`, steered by the specs and keeping what the request's handler checked."""
-        if steering is None:
-            steering = checked(STEERING)
-        if capture is None:
-            capture = checked(CAPTURE)
-        outputs = super().generate(prompt, sampling_params, request_id, steering=steering, capture=capture, **kwargs)
+        """`AsyncSteeredVLLM.generate`, steered by the specs, keeping what and reading the probes the request's
+        handler checked."""
+        steering = checked(STEERING) if steering is None else steering
+        capture = checked(CAPTURE) if capture is None else capture
+        probes = checked(PROBES) if probes is None else probes
+        outputs = super().generate(
+            prompt, sampling_params, request_id, steering=steering, capture=capture, probes=probes, **kwargs
+        )
         async for output in outputs:
             if output.finished and getattr(output, "activations", None) is not None:
                 record(CAPTURE, request_id, await asyncio.to_thread(encoded, output.activations))
+            if output.finished and getattr(output, "probes", None) is not None:
+                record(PROBES, request_id, {name: scores.tolist() for name, scores in output.probes.items()})
             yield output
 
 
@@ -117,15 +124,20 @@ def encoded(activations: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return result
 
 
-def with_activations(body: dict[str, Any], recorded: dict[str, Any]) -> None:
-    """Put each request's kept rows into its choice of a response ``body`` (a prompt ``i`` of a request runs as
-    engine request ``<id>-<i>``)."""
+def with_activations(body: dict[str, Any], recorded: dict[str, Any], key: str = "activations") -> None:
+    """Put each request's kept rows (or what else it recorded, under ``key``) into its choice of a response
+    ``body`` (a prompt ``i`` of a request runs as engine request ``<id>-<i>``)."""
     choices = body.get("choices") or []
-    for request_id, activations in recorded.items():
+    for request_id, found in recorded.items():
         index = int(match.group(1)) if len(recorded) > 1 and (match := re.search(r"-(\d+)$", request_id)) else 0
         for choice in choices:
             if choice.get("index", 0) == index:
-                choice["activations"] = activations
+                choice[key] = found
+
+
+def with_probes(body: dict[str, Any], recorded: dict[str, Any]) -> None:
+    """Put each request's probe scores (per probe, one per kept token) into its choice of a response ``body``."""
+    with_activations(body, recorded, PROBES)
 
 
 class SteeringHandler:
@@ -147,13 +159,31 @@ class SteeringHandler:
             capture = taken(CAPTURE)
             if capture is not None:
                 await asyncio.to_thread(self._check_capture, request, capture, engine_inputs)
+            probes = taken(PROBES)
+            if probes is not None:
+                await asyncio.to_thread(self._check_probes, request, probes, engine_inputs)
         except InvalidField as error:
             return error_response(str(error), error.param, error.status)
         if specs:
             check(STEERING, specs)
         if capture is not None:
             check(CAPTURE, capture)
+        if probes is not None:
+            check(PROBES, probes)
         return rendered
+
+    def _check_probes(self, request: Any, probes: dict[str, Any], engine_inputs: Sequence[dict]) -> None:
+        """Refuse probes the response cannot carry (streamed, several completions) or this engine cannot read (a
+        layer it lacks, positions outside a prompt, more columns than it reads)."""
+        if getattr(request, "stream", False):
+            raise InvalidField("probes are not served on streamed responses: send stream=false", "stream")
+        if getattr(request, "n", 1) != 1:
+            raise InvalidField(f"probes read one completion: send n=1, not n={request.n}", "n")
+        for engine_input in engine_inputs:
+            with naming(PROBES):
+                length = len(engine_input.get("prompt_token_ids") or ())
+                read = self.engine_client.probes_wire(probes, length)
+                self.engine_client._check_pool(None, read, 0)
 
     def _check_capture(self, request: Any, capture: Capture, engine_inputs: Sequence[dict]) -> None:
         """Refuse a capture the response cannot carry: streamed, several completions, or more bytes of rows than
@@ -352,6 +382,9 @@ class SteeringEndpoints:
         fields = [
             RequestField(STEERING, STEERING_ROUTES, read),
             RequestField(CAPTURE, CAPTURE_ROUTES, capture, with_activations),
+            RequestField(
+                PROBES, CAPTURE_ROUTES, functools.partial(read_probes, hidden_size=engine.hidden_size), with_probes
+            ),
         ]
         # In front of the app's whole stack (vLLM's SageMaker bootstrap has built it already).
         stack = app.middleware_stack or app.build_middleware_stack()
