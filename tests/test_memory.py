@@ -211,10 +211,13 @@ def test_nnterp_vllm_plan_prints_the_buffers_and_the_kv_cache(configs, capsys):
 
 def test_a_smollm2_engine_allocates_what_the_memory_model_says_byte_for_byte():
     """On the CPU build, the README's engine (every block's stream kept): each buffer the worker allocated, its shape,
-    dtype and bytes, against the memory model fed the checkpoint's config and the engine's scheduler settings."""
+    dtype and bytes, against the memory model fed the checkpoint's config and the engine's scheduler settings. Eager:
+    the buffers are allocated as the model loads, before anything compiles it."""
     from transformers import AutoConfig
 
-    llm = SteeredVLLM(smollm2(), dtype="float32", max_model_len=512, capture_values=["layers.*.layer_output"])
+    llm = SteeredVLLM(
+        smollm2(), dtype="float32", max_model_len=512, capture_values=["layers.*.layer_output"], enforce_eager=True
+    )
     try:
         (allocated,) = llm.collective_rpc("allocated_buffers")
         scheduler = llm.vllm_config.scheduler_config

@@ -94,6 +94,7 @@ def summary(engine: str, found: dict[str, tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 def test_nnterps_own_tests_pass_or_are_listed_as_not_applicable(engine, tmp_path):
     found = run(engine, tmp_path)

@@ -90,28 +90,42 @@ def test_readme_example_runs(key, tmp_path):
         assert mistake not in result.stderr, result.stderr[-3000:]
 
 
+def printed_lines(runs: list) -> list[list[str]]:
+    """What each run printed (vLLM's log lines left out), once every run exited cleanly."""
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return [[line for line in run.stdout.splitlines() if not VLLM_LOG.match(line)] for run in runs]
+
+
 @pytest.mark.parametrize("name", sorted(SENT_EXAMPLES))
 def test_readme_example_traces_sent_elsewhere_print_what_they_print_here(name, tmp_path):
-    """Sent with ``remote="local"``; an example tracing on vLLM also with its vLLM traces sent to
-    ``nnterp-vllm serve --traces`` serving the example's model on loopback."""
+    """Sent with ``remote="local"``: serialized and rebuilt as a server would, then run here."""
     (example,) = [source for source in EXAMPLES.values() if SENT_EXAMPLES[name] in source]
     in_process = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     runs = [
         run_example(SEEDED + example, tmp_path / "here.py", in_process),
         run_example(SEEDED + sent_as_remote(example), tmp_path / "sent.py", in_process),
     ]
-    if "StandardizedVLLM(smollm2()" in example:
-        arguments = [str(smollm2()), "--traces", "--dtype", "float32", "--max-model-len", "512"]
-        server = Server(arguments, tmp_path / "server.log")
-        try:
-            server.wait_ready()
-            runs.append(run_example(SEEDED + sent_to_server(example, server.url), tmp_path / "served.py"))
-            assert 'POST /v1/nnsight/generate HTTP/1.1" 200' in server.log.read_text()
-            served = runs[-1].stdout + runs[-1].stderr
-            assert "init engine" not in served  # no vLLM engine started beside the server: every trace was sent
-        finally:
-            assert server.stop() == 0
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
-    printed = [[line for line in run.stdout.splitlines() if not VLLM_LOG.match(line)] for run in runs]
-    assert printed[0] and all(lines == printed[0] for lines in printed[1:]), printed
+    printed = printed_lines(runs)
+    assert printed[0] and printed[1] == printed[0], printed
+
+
+@pytest.mark.slow
+def test_readme_example_on_both_engines_prints_the_same_with_its_vllm_traces_served(tmp_path):
+    """The experiment on both engines with its vLLM traces sent to ``nnterp-vllm serve --traces`` serving the
+    example's model on loopback (minutes: the server compiles its engines)."""
+    (example,) = [source for source in EXAMPLES.values() if SENT_EXAMPLES["both-engines"] in source]
+    assert "StandardizedVLLM(smollm2()" in example
+    runs = [run_example(SEEDED + example, tmp_path / "here.py", {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})]
+    arguments = [str(smollm2()), "--traces", "--dtype", "float32", "--max-model-len", "512"]
+    server = Server(arguments, tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        runs.append(run_example(SEEDED + sent_to_server(example, server.url), tmp_path / "served.py"))
+        assert 'POST /v1/nnsight/generate HTTP/1.1" 200' in server.log.read_text()
+        served = runs[-1].stdout + runs[-1].stderr
+        assert "init engine" not in served  # no vLLM engine started beside the server: every trace was sent
+    finally:
+        assert server.stop() == 0
+    printed = printed_lines(runs)
+    assert printed[0] and printed[1] == printed[0], printed

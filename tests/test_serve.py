@@ -595,7 +595,11 @@ BAD_STEERING = [
     ([spec(factor=float("inf"))], "steering[0].factor", "factor must be a finite number"),
     ([spec(shift=2.0)], "steering[0].shift", "unknown field 'shift'"),
     ([spec(scale=2.0)], "steering[0].scale", "'add' specs have no field 'scale'"),
-    ([spec(kind="smear")], "steering[0].kind", "kind must be one of 'add', 'ablate', 'cap', 'clamp', got 'smear'"),
+    (
+        [spec(kind="smear")],
+        "steering[0].kind",
+        "kind must be one of 'add', 'ablate', 'cap', 'clamp', 'patch', got 'smear'",
+    ),
     ([spec(kind="clamp")], "steering[0].layers", "'clamp' specs have no field 'layers'"),
     ([clamp(sae="nope")], "steering[0].sae", r"no SAE is registered as 'nope'; this server holds res1, top2"),
     ([clamp(sae=None)], "steering[0].sae", "names a registered SAE"),

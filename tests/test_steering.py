@@ -880,7 +880,7 @@ def test_steering_for_generate_is_read_per_prompt_or_for_all():
     assert per_prompt(one, 2) == [[one], [one]]
     assert per_prompt([one, two], 3) == [[one, two]] * 3  # a list of specs for every prompt
     assert per_prompt([one, None, [one, two]], 3) == [[one], [], [one, two]]  # as long as the prompts: per prompt
-    with pytest.raises(TypeError, match=r"None, a Steering \(or Cap, Ablate, Clamp\) or a list of them"):
+    with pytest.raises(TypeError, match=r"None, a Steering \(or Cap, Ablate, Clamp, Patch\) or a list of them"):
         per_prompt({"layers": 0}, 2)
 
 

@@ -240,7 +240,10 @@ def test_a_grid_file_gives_specs_by_kind_and_refuses_a_bad_one_naming_the_entry(
     assert (read["feature"].sae.layer, read["feature"].feature, read["feature"].scale) == (1, 3, 2.0)
     assert isinstance(read["up"], Steering) and (read["up"].layers, read["up"].factor) == ([2], 3.0)
     for entry, message in [
-        ({"kind": "steer", "vector": [1.0]}, "vectors.bad.kind must be one of add, ablate, cap, clamp, got 'steer'"),
+        (
+            {"kind": "steer", "vector": [1.0]},
+            "vectors.bad.kind must be one of add, ablate, cap, clamp, patch, got 'steer'",
+        ),
         ({"kind": "cap", "vector": [1.0], "layers": [1], "factor": 2}, r"vector, layers, min, max, not \['factor'\]"),
         ({"kind": "cap", "vector": [1.0], "layers": [1]}, "vectors.bad: Cap: give min, max or both"),
         ({"kind": "clamp", "sae": "nowhere", "feature": 0, "value": 1.0}, "vectors.bad: .*nowhere"),

@@ -177,6 +177,9 @@ class KeptRows:
     region: Region | None = None
     first: int = 0
     capacity: int = 0
+    #: Held while the tensors grow and while rows are written into them: on an accelerator the writer thread
+    #: writes a step's rows while the engine's thread makes room for the next step's.
+    growing: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def room(self, rows: int) -> None:
         """Make each tensor hold at least ``rows`` rows (doubling), keeping what it holds; a region's rows cannot
@@ -189,12 +192,13 @@ class KeptRows:
         if rows <= capacity:
             return
         capacity = max(rows, 2 * capacity)
-        grown = []
-        for tensor in self.tensors:
-            bigger = tensor.new_empty((capacity, *tensor.shape[1:]))
-            bigger[: self.filled] = tensor[: self.filled]
-            grown.append(bigger)
-        self.tensors = grown
+        with self.growing:
+            grown = []
+            for tensor in self.tensors:
+                bigger = tensor.new_empty((capacity, *tensor.shape[1:]))
+                bigger[: self.filled] = tensor[: self.filled]
+                grown.append(bigger)
+            self.tensors = grown
 
     def named(self) -> dict[str, torch.Tensor] | None:
         """Each value's rows so far, ``[kept, hidden]``, in position order; ``None`` where they lie in the region."""
@@ -263,7 +267,8 @@ class Piece:
         if self.region is not None:
             self.region.put(self.row, rows[None], self.value)
         else:
-            self.kept.tensors[self.value][self.row : self.row + len(rows)].copy_(rows)
+            with self.kept.growing:
+                self.kept.tensors[self.value][self.row : self.row + len(rows)].copy_(rows)
 
     def part(self, skip: int, length: int) -> Piece:
         """The piece's rows ``skip`` to ``skip + length``."""

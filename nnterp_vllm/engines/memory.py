@@ -298,29 +298,6 @@ class Ledger:
         }
 
 
-def sizes_of(vllm_config: Any, accelerator: bool, keeps_rows: bool) -> EngineSizes:
-    """The `EngineSizes` of a steered engine's ``vllm_config`` (its settings in ``additional_config``)."""
-    from .capture import CAPTURE_SETTING
-    from .steered_settings import CONFIG_KEY, PROBE_COLUMNS_SETTING, SAES_SETTING, STEERING_ENTRIES
-
-    model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
-    settings = vllm_config.additional_config[CONFIG_KEY]
-    return EngineSizes(
-        num_layers=model_config.hf_text_config.num_hidden_layers,
-        hidden_size=model_config.get_hidden_size(),
-        dtype=model_config.dtype,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        max_num_seqs=scheduler.max_num_seqs,
-        steering_entries=settings[STEERING_ENTRIES],
-        directions_per_block=settings["directions_per_block"],
-        kept_values=len(settings.get(CAPTURE_SETTING, [])),
-        saes=held_saes(settings.get(SAES_SETTING, [])),
-        accelerator=accelerator,
-        keeps_rows=keeps_rows,
-        probe_columns=settings.get(PROBE_COLUMNS_SETTING, 0),
-    )
-
-
 def held_saes(entries: Sequence[dict[str, Any]]) -> tuple[HeldSAE, ...]:
     """The memory model's view of the SAEs an engine's settings list."""
     return tuple(HeldSAE(sae["name"], sae["d_in"], sae["d_sae"], sae["architecture"]) for sae in entries)
@@ -349,6 +326,5 @@ __all__ = [
     "check_room",
     "default_steering_entries",
     "engine_buffers",
-    "sizes_of",
     "total",
 ]

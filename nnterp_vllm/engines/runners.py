@@ -18,10 +18,10 @@ import torch
 from . import containment
 from .capture import CAPTURE_SETTING, Capturer, keeps_rows
 from .logit_metrics import MetricReader
-from .memory import Ledger, check_room, engine_buffers, sizes_of
+from .memory import Ledger, check_room, engine_buffers
 from .probe_reads import ProbeReader
 from .sae_encoding import place_saes
-from .steered_settings import CONFIG_KEY, WORKER_CLASSES, held_saes
+from .steered_settings import CONFIG_KEY, WORKER_CLASSES, held_saes, sizes_of
 from .steering_table import Steerer
 from .vllm_platform import built_on_access, is_cpu_platform, publish, refuse_other_runner, run_first_blocks
 

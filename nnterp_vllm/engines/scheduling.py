@@ -7,7 +7,7 @@ from typing import Any
 
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
-from .memory import sizes_of
+from .steered_settings import sizes_of
 from .steering_pool import SteeringPool
 
 

@@ -21,9 +21,9 @@ from ..steering import specs
 from ..steering.saes import SAE, sae_list
 from ..steering.specs import DIRECTIONS_PER_BLOCK
 from . import capture as in_engine_capture
-from . import containment
+from . import containment, memory
 from .capture import CAPTURE_SETTING
-from .memory import PROBE_COLUMNS, default_steering_entries
+from .memory import PROBE_COLUMNS, EngineSizes, default_steering_entries
 from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform, no_saved_graphs
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
@@ -228,3 +228,23 @@ def _code_digest() -> str:
         inspect.getsource(specs),
     ]
     return hashlib.sha256("".join(sources).encode()).hexdigest()[:16]
+
+
+def sizes_of(vllm_config: Any, accelerator: bool, keeps_rows: bool) -> EngineSizes:
+    """The `EngineSizes` of a steered engine's ``vllm_config`` (its settings in ``additional_config``)."""
+    model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+    settings = vllm_config.additional_config[CONFIG_KEY]
+    return EngineSizes(
+        num_layers=model_config.hf_text_config.num_hidden_layers,
+        hidden_size=model_config.get_hidden_size(),
+        dtype=model_config.dtype,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler.max_num_seqs,
+        steering_entries=settings[STEERING_ENTRIES],
+        directions_per_block=settings["directions_per_block"],
+        kept_values=len(settings.get(CAPTURE_SETTING, [])),
+        saes=memory.held_saes(settings.get(SAES_SETTING, [])),
+        accelerator=accelerator,
+        keeps_rows=keeps_rows,
+        probe_columns=settings.get(PROBE_COLUMNS_SETTING, 0),
+    )
