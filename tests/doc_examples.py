@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-#: A fenced Python block: the suite runs every one of them.
+#: A fenced Python block: the suite runs every one of them (those building SmolLM2's steered engine under `slow`).
 PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
 

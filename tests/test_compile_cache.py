@@ -163,6 +163,7 @@ print(json.dumps({{"aot_compiles": compilation_counter.num_aot_compiles, "settin
 """
 
 
+@pytest.mark.slow
 def test_a_second_start_of_an_engine_compiles_nothing_again():
     """vLLM's CPU build cannot load back the ahead-of-time artifact it saves (and would compile the whole model on
     every start): the library starts its engines without it, and a second start loads every graph it compiles."""

@@ -11,6 +11,9 @@ import pytest
 from doc_examples import DOCS, ROOT, page_examples, run_example
 
 EXAMPLES = page_examples()
+#: The examples that build SmolLM2's steered engine, marked slow: their first run compiles that engine's graph
+#: (minutes on 2 cores with nothing cached); `make test-slow` runs them.
+COMPILING = "SteeredVLLM(smollm2()"
 #: A quoted figure: a ratio (``0.96x``) or a rate (``9.0 traces/s``).
 FIGURE = re.compile(r"\b\d+(\.\d+)?x\b|\b\d+(\.\d+)? (traces|tokens)/s\b")
 #: A benchmark script named with its command line.
@@ -72,7 +75,10 @@ def test_every_figure_quoted_names_the_benchmark_that_measures_it():
                 assert BENCHMARK_COMMAND.search(prose), f"{page.relative_to(DOCS)}: {title}"
 
 
-@pytest.mark.parametrize("key", sorted(EXAMPLES))
+@pytest.mark.parametrize(
+    "key",
+    [pytest.param(key, marks=[pytest.mark.slow] if COMPILING in EXAMPLES[key] else []) for key in sorted(EXAMPLES)],
+)
 def test_page_example_runs(key, tmp_path):
     result = run_example(EXAMPLES[key], tmp_path / "example.py")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -173,6 +173,7 @@ def test_both_engines_harvest_a_bfloat16_checkpoint_in_bfloat16(bf16_path, tmp_p
         torch.testing.assert_close(on_vllm.load(name).float(), hf.load(name).float(), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_the_cli_records_the_model_dtype_and_resumes_only_with_it(bf16_path, fp32_path, tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS))

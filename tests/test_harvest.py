@@ -225,7 +225,14 @@ def test_full_disk_removes_the_partial_shard_and_resume_finishes(llama, tmp_path
     monkeypatch.setattr(files_module, "write_all", write_then_fill_up)
     with pytest.raises(HarvestError, match="No space left on device.*partial file was removed"):
         harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
-    assert not list(out.glob("*.tmp")) and len(list(out.glob("*.safetensors"))) == 1
+    # The failed shard left nothing; a later shard written meanwhile (shards are written while the next computes)
+    # may have landed, whole.
+    landed = {path.name for path in out.glob("*.safetensors")}
+    assert (
+        not list(out.glob("*.tmp")) and "shard-00001.safetensors" not in landed and "shard-00000.safetensors" in landed
+    )
+    reference_files = {path.name: path.read_bytes() for path in reference_out.glob("*.safetensors")}
+    assert all((out / name).read_bytes() == reference_files[name] for name in landed)
     monkeypatch.setattr(files_module, "write_all", real_write)
     harvest(llama, docs, ["layers.0.layer_output"], out, shard_bytes=20_000, progress=False)
     assert shard_digests(out) == shard_digests(reference_out)
@@ -412,7 +419,7 @@ def engine_blocks(model) -> int:
 @pytest.mark.parametrize(
     "values, path",
     [
-        (["layers.1.layer_output", "layers.0.mlp_output"], "engine"),
+        pytest.param(["layers.1.layer_output", "layers.0.mlp_output"], "engine", marks=pytest.mark.slow),
         (["layers.1.layer_output", "layers.0.self_attn.attention_keys"], "nnsight"),
     ],
 )

@@ -383,8 +383,10 @@ SMALL_POOL = {"max_steering_entries": 4, "steering_directions_per_block": 6}
 
 @pytest.fixture(scope="module")
 def small_pool():
+    """An engine whose pool holds four entries, eager: the pool is placed by the scheduler and read by the same
+    operations compiled or not (tests/test_steering.py runs them compiled)."""
     path = tiny.checkpoint("llama")
-    llm = SteeredVLLM(path, **engine_args("llama"), **SMALL_POOL)
+    llm = SteeredVLLM(path, **engine_args("llama"), **SMALL_POOL, enforce_eager=True)
     yield path, llm
     llm.shutdown()
 
@@ -482,8 +484,8 @@ def test_a_last_position_harvest_equals_the_whole_sequence_harvests_last_rows(tm
     documents_column = whole.load("documents")
     ends = [int((documents_column == doc).nonzero().max()) for doc in last.load("documents").tolist()]
     assert len(last) == len(ends) == sum(1 for doc in docs if doc)
-    for name in whole.values:
-        torch.testing.assert_close(last.load(name), whole.load(name)[ends], atol=0, rtol=0)
+    for name in whole.values:  # two runs of the engine: float32 sums may be ordered apart, nothing more
+        torch.testing.assert_close(last.load(name), whole.load(name)[ends], atol=1e-6, rtol=1e-5)
 
 
 def test_memory_constants_keep_the_host_side_within_one_compact_step():

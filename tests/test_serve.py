@@ -1275,6 +1275,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(served):
     served.server.assert_left_nothing()
 
 
+@pytest.mark.scale
 def test_two_replicas_on_ray_serve_answer_steered_requests(served):
     """``--replicas 2`` on a local Ray cluster the server starts (and stops on SIGTERM); without ``--traces``."""
     home = Path.home() / ".ray"

@@ -167,6 +167,7 @@ def test_caps_clamps_and_ablations_sweep_by_their_bounds_and_values_and_score_as
     assert len(figure.axes[0].lines) == 4  # the cap's and the clamp's lines, the ablation's level, the baseline
 
 
+@pytest.mark.slow
 def test_the_cli_runs_a_grid_file_to_json_lines(path, vectors, tmp_path):
     torch.save({"layer_activations": {1: vectors["up"]}, "layer_type": "decoder_block"}, tmp_path / "up.pt")
     grid = {
