@@ -177,3 +177,26 @@ def intervene(model: Any, layer: int | str, spec: Any, positions: Any = None) ->
         model.ablate(layer, spec.vector, positions=positions)
     else:
         model.cap(layer, spec.vector, min=spec.min, max=spec.max, positions=positions)
+
+
+def greedy_with_hooks(
+    model: Any, prompt_ids: list[int], handles: list[Any], steps: int
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generation of ``steps`` tokens after ``prompt_ids`` with the forward hooks of
+    ``handles`` in place (removed after): the tokens and the logprob of each."""
+    try:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = generated.sequences[0, len(prompt_ids) :]
+    logprobs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(generated.logits, tokens)])
+    return tokens.tolist(), logprobs

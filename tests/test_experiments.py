@@ -89,22 +89,7 @@ def hooked_patch_generation(path, prompt_ids: list[int], patches: list[Patch], a
     for index, patch in enumerate(patches):
         for layer in patch.layers:
             handles.append(module_of(patch, layer).register_forward_hook(hook(patch, index * 1000 + layer)))
-    try:
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    tokens = generated.sequences[0, len(prompt_ids) :]
-    logprobs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(generated.logits, tokens)])
-    return tokens.tolist(), logprobs
+    return reference.greedy_with_hooks(model, prompt_ids, handles, STEPS)
 
 
 def rows(count: int, hidden: int, seed: int) -> torch.Tensor:
@@ -366,22 +351,7 @@ def hooked_gated_generation(path, ids: list[int], vector: torch.Tensor, probe: P
         return (stream, *out[1:]) if isinstance(out, tuple) else stream
 
     handles = [blocks[probe.layer].register_forward_hook(read), blocks[layer].register_forward_hook(add)]
-    try:
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    tokens = generated.sequences[0, len(ids) :]
-    logprobs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(generated.logits, tokens)])
-    return tokens.tolist(), logprobs
+    return reference.greedy_with_hooks(model, ids, handles, STEPS)
 
 
 @pytest.mark.parametrize("probe_layer", [0, 2])

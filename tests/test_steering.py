@@ -290,24 +290,7 @@ def hooked_generation(path, prompt_ids: list[int], specs, saelens: dict) -> tupl
         return edit
 
     handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(reference.blocks(model))]
-    try:
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    tokens = generated.sequences[0, len(prompt_ids) :]
-    logprobs = torch.stack(
-        [torch.log_softmax(step[0].float(), -1)[token] for step, token in zip(generated.logits, tokens)]
-    )
-    return tokens.tolist(), logprobs
+    return reference.greedy_with_hooks(model, prompt_ids, handles, STEPS)
 
 
 def metric(model: LLM, name: str) -> float:
