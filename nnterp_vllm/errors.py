@@ -33,3 +33,13 @@ class ParameterWritten(UserWarning):
     Given once per parameter per model; the message says how to undo the write, or how to make one that lasts a
     single trace.
     """
+
+
+class UnsafeAnswer(ValueError):
+    """A trace server's answer that names something the client does not load (loading it could run code), or that is
+    not in ``torch.save``'s format: refused before any of it is built; the message names what it holds."""
+
+
+class SavedTooMuch(ValueError):
+    """A trace sent to a server saved more than the server hands back (``--max-saved-bytes``): the engine stopped it
+    at the step that passed the bound; the server answers 413."""

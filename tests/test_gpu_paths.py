@@ -122,22 +122,23 @@ vllm_modules_before = {m for m in sys.modules if m.startswith("vllm.v1.worker.cp
 platforms._current_platform = StandInCuda()
 import nnterp_vllm
 from nnterp_vllm.engines import runners, steered, vllm_platform
-from nnterp_vllm.engines.steered_settings import WORKERS
+from nnterp_vllm.engines.steered_settings import steering_settings
 from nnterp_vllm.serve import server
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 kwargs = vllm_platform.engine_kwargs(sys.argv[1], dtype="float32")
 shares = [vllm_platform.notebook_share(given, "StandardizedVLLM")
           for given in ({}, {"gpu_memory_utilization": 0.8}, {"kv_cache_memory_bytes": 2**30})]
-worker = WORKERS["cpu" if vllm_platform.is_cpu_platform() else "gpu"]
+worker = vllm_platform.worker_class()
+steered_worker = steering_settings(sys.argv[1], {"dtype": "float32"})["worker_cls"]
 built = [resolve_obj_by_qualname(path).__name__ for path in (
-    vllm_platform.CUDA_WORKER_CLS, worker, "nnterp_vllm.engines.runners.SteeringGPUModelRunner",
-    "nnterp_vllm.engines.vllm_platform.NNsightCUDAModelRunner")]
+    worker, steered_worker, "nnterp_vllm.engines.runners.EngineGPUModelRunner")]
 after = torch_as_it_is()
 print(json.dumps({
     "cpu_platform": vllm_platform.is_cpu_platform(),
     "built": built,
     "worker": worker,
+    "steered_worker": steered_worker,
     "engine_kwargs": kwargs,
     "shares": shares,
     "cpu_modules_before": sorted(vllm_modules_before),
@@ -154,9 +155,9 @@ def test_off_the_cpu_platform_no_cpu_worker_module_is_imported_and_torch_is_left
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["cpu_platform"] is False
-    built = ["NNsightCUDAWorker", "SteeringGPUWorker", "SteeringGPUModelRunner", "NNsightCUDAModelRunner"]
-    assert found["built"] == built
-    assert found["worker"] == "nnterp_vllm.engines.runners.SteeringGPUWorker"
+    assert found["built"] == ["EngineGPUWorker", "EngineGPUWorker", "EngineGPUModelRunner"]
+    # One worker for every engine: the notebook engine's and the steered engine's.
+    assert found["worker"] == found["steered_worker"] == "nnterp_vllm.engines.runners.EngineGPUWorker"
     assert found["engine_kwargs"] == {"dtype": "float32"}  # no CPU executor, no CPU KV-cache sizing
     # The notebook engine takes its share of the device unless told; a caller's sizing wins.
     assert found["shares"] == [

@@ -199,11 +199,14 @@ def test_a_sae_lens_harvest_on_the_store_is_the_dataset_datasets_reads(llama_pat
 
 #: SAELens's trainer, given the harvests by URL: it reads batches straight from the store, and trains from the
 #: sae-lens layout copied down (SAELens checks ``os.path.exists(cached_activations_path)`` before ``datasets`` reads).
-STORE_TRAINER = """
+STORE_TRAINER = (
+    """
 import sys
 from nnterp_vllm import load_harvest
 sys.argv[2] = str(load_harvest(sys.argv[2]).download(sys.argv[5]).path)
-""" + test_harvest.TRAINER_SCRIPT
+"""
+    + test_harvest.TRAINER_SCRIPT
+)
 
 
 def test_saelens_trains_from_a_harvest_on_the_store(llama_path, bucket, tmp_path):
@@ -359,9 +362,9 @@ def test_two_nodes_harvest_straight_to_s3_as_one_local_worker_does(two_nodes, bu
             process = subprocess.Popen(command_line(llama_path, corpus, url, engine, *workers), env=env)
             fs, root = fsspec.core.url_to_fs(url)
             deadline = time.monotonic() + 600
-            while not fs.exists(f"{root}/manifest.json") or not json.loads(fs.cat_file(f"{root}/manifest.json"))[
-                "shards"
-            ]:
+            while (
+                not fs.exists(f"{root}/manifest.json") or not json.loads(fs.cat_file(f"{root}/manifest.json"))["shards"]
+            ):
                 assert process.poll() is None and time.monotonic() < deadline
                 time.sleep(0.5)
                 fs.invalidate_cache()

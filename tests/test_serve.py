@@ -1,14 +1,17 @@
 """``nnterp-vllm serve`` over loopback: real clients (``openai``, ``httpx``) against the real server.
 
-One server process (the ``nnterp-vllm`` console script, tiny llama) serves every test of the module;
-what each steered request must answer comes first, from `SteeredVLLM.generate` in this process, shut
-down before the server starts. The last tests stop that server with SIGTERM (it drains, exits 0 and
-leaves no process or shared-memory file behind) and then run the 2-replica Ray Serve deployment.
+One server process (the ``nnterp-vllm`` console script, tiny llama) serves every test of the module, over TLS
+with a certificate the module makes (its clients trust it through ``SSL_CERT_FILE``), its engine started on a
+stand-in 80 GB accelerator as vLLM's GPU worker checks its memory (``tests/fake_device``); what each steered
+request must answer comes first, from `SteeredVLLM.generate` in this process, shut down before the server
+starts. The last tests stop that server with SIGTERM (it drains, exits 0 and leaves no process or
+shared-memory file behind) and then run the 2-replica Ray Serve deployment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import os
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -77,7 +81,9 @@ KEPT = ["layers.*.layer_output", "layers.0.mlp_output"]
 MAX_CAPTURE_BYTES = 100_000
 CAPTURED = Capture(["layers.1.layer_output", "layers.0.mlp_output"])
 #: The bounds of the traces the server runs (--traces).
-TRACE_BOUNDS = {"--max-trace-bytes": 2_000_000, "--trace-timeout": 4, "--max-saved-bytes": 1_000_000}
+TRACE_BOUNDS = {"--max-trace-bytes": 2_000_000, "--trace-timeout": 4, "--max-saved-bytes": 8_000_000}
+#: The directory whose ``sitecustomize`` starts the server's engine on a stand-in accelerator.
+FAKE_DEVICE = Path(__file__).parent / "fake_device"
 #: A prompt as long as PROMPT (one token a character): a transformers batch of the two needs no padding.
 SAME_LENGTH = "Hello, how are you?"
 #: Prompts of the concurrent traces, one per client.
@@ -232,12 +238,47 @@ def shared_memory_files(processes: list[psutil.Process]) -> set[str]:
     return found
 
 
-class Server:
-    """``nnterp-vllm serve`` in its own session, on a free loopback port."""
+def tls_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, as PEM files in ``directory``."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, arguments: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+class Server:
+    """``nnterp-vllm serve`` in its own session, on a free loopback port (HTTPS where ``scheme`` says)."""
+
+    def __init__(
+        self, arguments: list[str], log: Path, env: dict[str, str] | None = None, scheme: str = "http"
+    ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = log
         command = [SERVE, "serve", *arguments, "--host", "127.0.0.1", "--port", str(self.port)]
         with open(log, "w") as out:
@@ -293,7 +334,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """What every case must answer (SteeredVLLM, shut down), then the server, with a preloaded vector file."""
+    """What every case must answer (SteeredVLLM, shut down), then the server, with a preloaded vector file, over
+    TLS, on a stand-in accelerator (its ledger of what each engine took), with vLLM's development routes (its
+    ``/collective_rpc`` asks the engine what ran)."""
     path = tiny.checkpoint("llama")
     tokenizer = tiny.tokenizer()
     directory = tmp_path_factory.mktemp("serve")
@@ -385,10 +428,22 @@ def served(tmp_path_factory):
     arguments += ["--max-steering-entries", str(POOL_ENTRIES)]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     traces = ["--traces", *(str(part) for bound in TRACE_BOUNDS.items() for part in bound)]
-    server = Server(arguments + traces, directory / "server.log")
+    certificate, key = tls_certificate(directory)
+    tls = ["--ssl-certfile", str(certificate), "--ssl-keyfile", str(key)]
+    ledger = directory / "device.jsonl"
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAKE_DEVICE), os.environ.get("PYTHONPATH")])),
+        "NNTERP_TEST_DEVICE_LEDGER": str(ledger),
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    trusted = os.environ.get("SSL_CERT_FILE")
+    os.environ["SSL_CERT_FILE"] = str(certificate)  # this module's clients trust the server's certificate
+    server = Server(arguments + traces + tls, directory / "server.log", env=env, scheme="https")
     try:
         server.wait_ready()
         yield SimpleNamespace(
+            certificate=certificate,
+            ledger=ledger,
             server=server,
             url=server.url,
             arguments=arguments,
@@ -408,6 +463,10 @@ def served(tmp_path_factory):
         )
     finally:
         server.stop()
+        if trusted is None:
+            os.environ.pop("SSL_CERT_FILE", None)
+        else:
+            os.environ["SSL_CERT_FILE"] = trusted
 
 
 def test_probes_and_gated_specs_over_http_equal_the_steered_engines(served):
@@ -1065,11 +1124,33 @@ def test_a_trace_sent_to_the_server_equals_the_local_engine_and_transformers(ser
     close_all(sent, trace_experiment(transformers_model), 1e-4)
 
 
-def test_8_concurrent_traces_beside_openai_and_steered_requests_each_get_their_own(
+def rpc(served, method: str) -> list:
+    """Each engine worker's answer to ``method`` (vLLM's development route ``/collective_rpc``)."""
+    response = httpx.post(served.url + "/collective_rpc", json={"method": method}, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+def captured_completion(served) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A completion keeping `CAPTURED`'s values: its tokens and its kept rows."""
+    capture = {"values": [s.text for s in CAPTURED.values]}
+    response = post(
+        served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **EXTRA, "capture": capture}
+    )
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    return choice["token_ids"], decoded(choice["activations"])
+
+
+def test_8_concurrent_traces_beside_openai_steered_and_capturing_requests_each_get_their_own(
     served, trace_client, transformers_model
 ):
+    """Traces share the engine's batch with the OpenAI routes' requests, in steps of their own: those run eagerly
+    (with nnsight's interleaving), the others stay compiled, and steering and capture answer as on the steered
+    engine."""
     traces: dict[int, tuple] = {}
     completions: dict[str, list[int]] = {}
+    kept: dict[str, dict[str, torch.Tensor]] = {}
 
     def send(index: int) -> None:
         traces[index] = client_trace(trace_client, index, serve=served.url, api_key=KEY)
@@ -1077,19 +1158,195 @@ def test_8_concurrent_traces_beside_openai_and_steered_requests_each_get_their_o
     def complete(name: str, steering: list[dict] | None) -> None:
         completions[name] = completion_tokens(served, steering, stream=False)
 
+    def capture() -> None:
+        completions["captured"], kept["plain"] = captured_completion(served)
+
+    (before,) = rpc(served, "step_kinds")
     threads = [threading.Thread(target=send, args=(index,)) for index in range(len(TRACE_PROMPTS))]
     threads += [
         threading.Thread(target=complete, args=("plain", None)),
         threading.Thread(target=complete, args=("steered", as_json(served.steered))),
+        threading.Thread(target=capture),
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert completions == {name: served.expected[name] for name in ("plain", "steered")}
+    (after,) = rpc(served, "step_kinds")
+    assert completions == {name: served.expected[name] for name in ("plain", "steered")} | {
+        "captured": served.expected["plain"]
+    }
+    for name, rows in served.kept["plain"].items():
+        torch.testing.assert_close(kept["plain"][name], rows)
     assert sorted(traces) == list(range(len(TRACE_PROMPTS)))
     for index, sent in traces.items():
         close_all(sent, client_trace(transformers_model, index), 1e-4)
+    assert after["eager"] > before["eager"] and after["compiled"] > before["compiled"], (before, after)
+    # The scheduler kept the other requests out of the steps running trace code.
+    assert after["eager beside others"] == before["eager beside others"], (before, after)
+    assert rpc(served, "nnsight_request_count") == ["0"]  # every trace's worker went with its request
+
+
+def test_the_server_holds_one_engine_that_starts_in_its_default_share_of_an_80_gb_device(served):
+    """One engine, one rank: the stand-in accelerator's ledger (each worker's share as vLLM's GPU worker checks it)
+    holds one share, vLLM's default, taken by the server's one engine process (its worker runs in it)."""
+    from vllm.config import CacheConfig
+
+    (share,) = [json.loads(line) for line in served.ledger.read_text().splitlines()]
+    assert share["requested"] == math.ceil(80 * 10**9 * CacheConfig().gpu_memory_utilization)
+    assert len(rpc(served, "step_kinds")) == 1  # one worker answers
+    processes = session_processes(served.server.process.pid)
+    assert [process.pid for process in processes if "EngineCore" in " ".join(process.cmdline())] == [share["pid"]]
+
+
+def test_the_stand_in_device_refuses_a_second_engine_as_vllms_gpu_worker_does(tmp_path):
+    """What would have kept a server of two engines (a trace engine beside the steered one) from starting."""
+    import importlib.util
+
+    from vllm.config import CacheConfig
+
+    spec = importlib.util.spec_from_file_location("fake_device", FAKE_DEVICE / "sitecustomize.py")
+    device = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device)
+    ledger = str(tmp_path / "device.jsonl")
+    device.request(ledger, CacheConfig())
+    with pytest.raises(ValueError, match=r"Free memory on device cuda:0 \(stand-in\) .* is less than desired"):
+        device.request(ledger, CacheConfig(gpu_memory_utilization=0.5))
+
+
+def test_the_server_speaks_tls_and_its_clients_verify_it(served, trace_client, monkeypatch):
+    """The module's every request went over TLS; a client that does not trust the server's certificate (httpx's
+    default, as nnsight's client and the trace client use it) refuses it, and sends nothing."""
+    assert served.url.startswith("https://") and httpx.get(served.url + "/health").status_code == 200
+    monkeypatch.delenv("SSL_CERT_FILE")
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(served.url + "/health")
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        with trace_client.trace(PROMPT, serve=served.url, api_key=KEY):
+            trace_client.layers[0].layer_output.save()
+
+
+def test_a_key_sent_over_plain_http_to_another_machine_is_warned_about_once(trace_client):
+    def send(url: str) -> None:
+        with pytest.raises(httpx.ConnectError):
+            with trace_client.trace(PROMPT, serve=url, api_key=KEY):
+                trace_client.layers[0].layer_output.save()
+
+    with pytest.warns(UserWarning, match=r"API key goes to trace-server\.invalid over plain HTTP.*--ssl-keyfile"):
+        send("http://trace-server.invalid:8000")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        send("http://trace-server.invalid:8000")  # once per host
+        send(f"http://127.0.0.1:{free_port()}")  # this machine's loopback: nothing on the way
+    assert not [warning for warning in caught if "plain HTTP" in str(warning.message)]
+
+
+class AnswerServer:
+    """A trace server that answers every trace with the same bytes, on a loopback port."""
+
+    def __init__(self, answer: bytes) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Answer(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.send_response(200)
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_answer_that_would_run_code_is_refused_by_the_client_and_runs_nothing(trace_client, tmp_path):
+    from nnterp_vllm.errors import UnsafeAnswer
+
+    marker = tmp_path / "written-by-the-answer"
+    crafted = io.BytesIO()
+    torch.save({"saves": {"probs": WritesAFile(marker)}, "error": None}, crafted)
+    answers = {
+        crafted.getvalue(): r"names io\.open, which this client does not load",
+        pickle.dumps({"saves": {"probs": WritesAFile(marker)}}): "not in torch.save's format",
+    }
+    for answer, message in answers.items():
+        server = AnswerServer(answer)
+        try:
+            with pytest.raises(UnsafeAnswer, match=message):
+                with trace_client.trace(PROMPT, serve=server.url, api_key=KEY):
+                    probs = trace_client.next_token_probs.save()
+        finally:
+            server.close()
+        assert not marker.exists()
+    assert pickle.loads(pickle.dumps(WritesAFile(marker))) and marker.exists()  # what the payload does when run
+    with pytest.raises(NameError):
+        probs  # noqa: B018 - nothing of the refused answers reached the caller
+
+
+def peak_memory(pid: int) -> int:
+    """The process's resident memory at its highest since its peak was last reset, in bytes."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_trace_saving_past_the_bound_is_stopped_as_it_saves_and_the_server_holds_no_more(served, trace_client):
+    """Each generated step saves 4 MiB, 12 steps asked for (50 MB): the engine counts the saves as the steps make
+    them and stops the trace at the step that passes --max-saved-bytes (8 MB, the second); the server's resident
+    memory grows by less than the bound and one step's values (and what the allocator keeps around them)."""
+    bound, rows = TRACE_BOUNDS["--max-saved-bytes"], 8192
+    step = rows * HIDDEN * 4
+    assert served.expected["plain"][0] != tiny.SIZES["eos_token_id"]  # the generation reaches its second step
+
+    def saving(steps: int) -> list[torch.Tensor]:
+        with trace_client.generate(PROMPT, max_new_tokens=steps, serve=served.url, api_key=KEY) as tracer:
+            kept = list().save()
+            for _ in tracer.iter[:steps]:
+                kept.append(trace_client.layers[1].layer_output[0, -1:].expand(rows, -1).clone())
+        return kept
+
+    assert [tuple(value.shape) for value in saving(1)] == [(rows, HIDDEN)]  # under the bound: handed back
+    pid = served.server.process.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts again from what the server holds now
+    before = peak_memory(pid)
+    with pytest.raises(ConnectionError, match=rf"413.*more than this engine hands back \({bound} bytes\)"):
+        saving(12)
+    grown = peak_memory(pid) - before
+    assert grown < bound + step + 32 * 2**20, grown
+    close_all(trace_experiment(trace_client, serve=served.url, api_key=KEY), served.traced, 1e-6)
+
+
+def test_a_notebooks_async_engine_runs_the_servers_runner(served, transformers_model):
+    """``StandardizedVLLM(..., mode="async")`` in a notebook runs on the worker (and runner) the server's engine
+    runs, its trace's saves arriving on the finished output."""
+    from nnterp_vllm.engines.steered_settings import steering_settings
+
+    path = tiny.checkpoint("llama")
+    model = StandardizedVLLM(path, mode="async", dispatch=True, **ENGINE)
+    try:
+        worker = model.vllm_entrypoint.vllm_config.parallel_config.worker_cls
+        assert worker == steering_settings(path, dict(ENGINE))["worker_cls"]
+        with model.trace(PROMPT) as tracer:
+            resid = model.layers[2].layer_output[:, -1].save()
+
+        async def finished():
+            return await tracer.backend
+
+        output = asyncio.run(finished())
+    finally:
+        model.shutdown()
+    with transformers_model.trace(PROMPT):
+        truth = transformers_model.layers[2].layer_output[:, -1].save()
+    torch.testing.assert_close(output.saves["resid"], truth, atol=1e-4, rtol=1e-4)
+    with pytest.raises(NameError):
+        resid  # noqa: B018 - an async trace's saves are on its output only (nnsight's async backend)
 
 
 class WritesAFile:
@@ -1270,7 +1527,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(served):
         served.server.terminate()
         rest = [line for line in lines if line.startswith("data: ")]
     chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
-    assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"  # drained
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # drained
     assert served.server.stop() == 0
     served.server.assert_left_nothing()
 

@@ -79,6 +79,11 @@ INSTANCE_ATTRIBUTES = (
         "Scheduler",
     ),
     ("engines/scheduling.py", "scheduler._free_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    # steps with trace code kept apart from the others: a running request sits a step out
+    ("engines/scheduling.py", "scheduler.running", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/scheduling.py", "scheduler.waiting", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/scheduling.py", "scheduler.current_step", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/scheduling.py", "request.next_decode_eligible_step", "vllm.v1.request", "Request"),
     # a step run eagerly: the forward context told to bypass the compiled model and CUDA graphs
     ("engines/runners.py", "context.skip_compiled", "vllm.forward_context", "ForwardContext"),
     ("engines/runners.py", "context.cudagraph_runtime_mode", "vllm.forward_context", "ForwardContext"),

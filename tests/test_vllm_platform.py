@@ -71,9 +71,11 @@ def test_worker_classes_resolve_by_dotted_path():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    worker = resolve_obj_by_qualname(vllm_platform.CPU_WORKER_CLS)
+    from nnterp_vllm.engines import runners
+
+    worker = resolve_obj_by_qualname(vllm_platform.worker_class())
     assert issubclass(worker, CPUWorker)
-    assert issubclass(vllm_platform.NNsightCPUModelRunner, CPUModelRunner)
+    assert issubclass(runners.EngineCPUModelRunner, CPUModelRunner)
     for name in ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered"):
         assert callable(getattr(worker, name))
 

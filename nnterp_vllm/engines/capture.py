@@ -74,26 +74,34 @@ class CaptureRows(torch.nn.Module):
         self.register_buffer("rows", ledger.allocate("capture buffer"), False)
         #: How many times a hook writing these buffers ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
+        #: Whether the step being run keeps no row (`Capturer.plan`): an eager step then skips the hooks (`runs`).
+        self.idle = True
 
 
-def count_eager_run(buffers: torch.nn.Module) -> None:
-    """Count, on an engine's ``buffers``, a run of one of its operations outside a compiled graph."""
-    if not torch.compiler.is_compiling():  # folded away when traced: counts only runs outside a compiled graph
-        buffers.eager_calls += 1
+def runs(buffers: torch.nn.Module) -> bool:
+    """Whether an operation on an engine's ``buffers`` runs at this call: always inside a compiled graph (traced once,
+    for every step); outside one (an eager step: a trace's code or a TopK clamp in it, or an engine built eagerly)
+    only where the step uses them (``buffers.idle`` false), each such run counted on ``buffers.eager_calls``."""
+    if torch.compiler.is_compiling():  # folded away when traced: the operation is in the graph for every step
+        return True
+    if buffers.idle:
+        return False
+    buffers.eager_calls += 1
+    return True
 
 
 def keep_output(module: torch.nn.Module, args: Any, output: Any) -> None:
     """Forward hook: each value kept at this module's output, copied into its row of the buffer."""
-    count_eager_run(module.nnterp_capture)
-    for slot, flat in module.nnterp_kept_outputs:
-        torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat(output))
+    if runs(module.nnterp_capture):
+        for slot, flat in module.nnterp_kept_outputs:
+            torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat(output))
 
 
 def keep_input(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """Forward pre-hook: each value kept at this module's input, copied into its row of the buffer."""
-    count_eager_run(module.nnterp_capture)
-    for slot, flat in module.nnterp_kept_inputs:
-        torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat((args, kwargs)))
+    if runs(module.nnterp_capture):
+        for slot, flat in module.nnterp_kept_inputs:
+            torch.ops.nnterp_vllm.keep_rows(module.nnterp_capture.rows, slot, flat((args, kwargs)))
 
 
 @contextlib.contextmanager
@@ -615,6 +623,8 @@ class Capturer:
                     self.step.append((kept, offset + first, row, length))
             offset += count
         self.step_tokens = offset
+        if self.buffers is not None:
+            self.buffers.idle = not self.step
 
     def gather(self) -> None:
         """Send this step's kept rows on their way to their requests' tensors (at once on the CPU; from an

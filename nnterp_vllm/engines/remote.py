@@ -21,8 +21,14 @@ from typing import Any
 
 from nnsight.intervention.backends.local import LocalSimulationBackend
 
+from ..errors import UnsafeAnswer
+
 #: The route of a trace server (nnsight-serve's, and ``nnterp-vllm serve --traces``') that a trace is posted to.
 TRACE_PATH = "/v1/nnsight/generate"
+#: ``extra_args``' key under which nnsight's client sends a request's trace code (one invoke's block) to the engine,
+#: and the key of the edits left on the engine that the request runs (nnsight's names).
+TRACE_KEY = "nnsight_mediator"
+EDITS_KEY = "nnsight_edits"
 
 
 def checkpoint_key(checkpoint: str) -> str:
@@ -49,3 +55,77 @@ class InstalledServerSimulation(LocalSimulationBackend):
         for name in [name for name in hidden["modules"] if name.partition(".")[0] in installed]:
             sys.modules[name] = hidden["modules"].pop(name)
         return hidden
+
+
+#: What a trace server's answer may name besides what ``torch.load(weights_only=True)`` loads (tensors, their
+#: storages and dtypes, numbers, strings, bytes, lists, dicts, tuples, sets, ``OrderedDict``): frozen sets, slices,
+#: and the output of a request as vLLM makes it, which a trace saves as ``tracer.result``.
+ANSWER_GLOBALS = (
+    "builtins.frozenset",
+    "builtins.slice",
+    "vllm.outputs.RequestOutput",
+    "vllm.outputs.CompletionOutput",
+)
+
+
+def load_answer(content: bytes) -> dict[str, Any]:
+    """A trace server's answer (a ``torch.save`` of ``{"saves", "error", ...}``), loaded without running anything of
+    it: every global it names is first checked against an allow-list (what ``torch.load(weights_only=True)``
+    loads, and `ANSWER_GLOBALS`), and it is loaded with that loader. An answer naming any other global, or not in
+    ``torch.save``'s format, is refused with `UnsafeAnswer` naming what it holds, before anything of it is built."""
+    import importlib
+    import io
+
+    import torch
+
+    try:
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(content))
+    except Exception as error:  # noqa: BLE001 - whatever the reader makes of bytes it cannot read
+        raise UnsafeAnswer(
+            f"the trace server's answer is not in torch.save's format ({type(error).__name__}: {error}); this client "
+            "loads nothing else"
+        ) from None
+    refused = sorted(set(named) - set(ANSWER_GLOBALS))
+    if refused:
+        raise UnsafeAnswer(
+            f"the trace server's answer names {', '.join(refused)}, which this client does not load (loading it could "
+            "run code): an answer holds tensors, numbers, strings, lists, dicts, tuples and sets, and vLLM's request "
+            "outputs; nothing of it was loaded. Is the URL your trace server's?"
+        )
+    allowed = []
+    for name in named:
+        module, _, attribute = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attribute))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+
+
+#: Hosts a plain-HTTP key was already warned about (`warn_plain_http`).
+_WARNED: set[str] = set()
+
+
+def warn_plain_http(url: str | None, api_key: str | None) -> None:
+    """Warn, once per host, where an API key is about to go over plain HTTP to a host that is not this machine's
+    loopback: anyone on the way reads the key (and could answer in the server's place)."""
+    import ipaddress
+    import urllib.parse
+    import warnings
+
+    if not url or not api_key:
+        return
+    parsed = urllib.parse.urlsplit(url)
+    host = parsed.hostname or ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if parsed.scheme != "http" or loopback or host in _WARNED:
+        return
+    _WARNED.add(host)
+    warnings.warn(
+        f"the API key goes to {host} over plain HTTP, readable by anyone on the way: start the server with "
+        "--ssl-keyfile and --ssl-certfile and send to https://... (a certificate your machine does not trust by "
+        "default is named by SSL_CERT_FILE)",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -13,10 +13,14 @@ transformers interleaves their appends in forward order; vLLM keeps each invoke'
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from nnsight.tracing.tracer import _saves, mark
+
+from ..errors import SavedTooMuch
 
 #: The saved name under which the worker says which names the block bound (as opposed to filled).
 WRITTEN = "__nnterp_vllm_written__"
@@ -131,3 +135,86 @@ def take(outputs: list[Any], name: str) -> list[Any]:
                 value = saves.pop(name)
                 taken[id(value)] = value
     return list(taken.values())
+
+
+#: ``extra_args``' key of a trace request's bound on what it saves: ``{"trace": id, "bytes": n}``, shared by the
+#: requests (invokes) of one trace.
+SAVED_BYTES_KEY = "nnterp_vllm_saved_bytes"
+
+
+def saved_size(value: Any, seen: set[int] | None = None, depth: int = 8) -> int:
+    """Bytes ``value`` takes as a trace hands it back: each tensor's own elements (a view of a larger storage
+    travels as a copy of itself), strings and bytes by length, and what containers (lists, tuples, dicts, sets) and
+    objects' attributes hold, each object counted once."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or depth < 0:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (str, bytes, bytearray)):
+        return len(value)
+    if isinstance(value, dict):
+        items: Iterable[Any] = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return sum(saved_size(item, seen, depth - 1) for item in items)
+
+
+class SavedBytes:
+    """On the worker: what the requests of each bounded trace have saved so far, counted as they save it (after
+    every step), and each trace stopped as soon as its requests together hold more than its bound: its blocks are
+    ended, their saved values dropped, and each request carries `SavedTooMuch` as its error (nnsight's runner then
+    ends the request at its next step). Blocks are held weakly: a request's block goes when its request does."""
+
+    def __init__(self) -> None:
+        #: ``{trace: {mediator id: (weak reference to the mediator, bytes it holds)}}``.
+        self.traces: dict[str, dict[int, tuple[Any, int]]] = {}
+
+    def track(self, mediator: Any, bound: dict[str, Any]) -> None:
+        """Count what ``mediator`` (a trace request's block) saves against ``bound`` (`SAVED_BYTES_KEY`'s value)."""
+        mediator.nnterp_saved_bound = bound
+        self.traces.setdefault(bound["trace"], {})[id(mediator)] = (weakref.ref(mediator), 0)
+
+    def count(self, mediator: Any) -> None:
+        """Recount what ``mediator`` saved (its saved names, `Requests.record` just noted them); stop its trace if
+        the trace's requests now hold more than the bound."""
+        bound = getattr(mediator, "nnterp_saved_bound", None)
+        if bound is None or getattr(mediator, "nnterp_stopped", False):
+            return
+        held = self.traces.setdefault(bound["trace"], {})
+        seen: set[int] = set()
+        size = sum(saved_size(dict.get(mediator.lcls, name), seen) for name in mediator.nnsight_saved)
+        held[id(mediator)] = (weakref.ref(mediator), size)
+        for key, (reference, _) in list(held.items()):
+            if reference() is None:
+                del held[key]
+        total = sum(size for _, size in held.values())
+        if total > bound["bytes"]:
+            error = SavedTooMuch(
+                f"the trace saved {total} bytes by this step, more than this engine hands back ({bound['bytes']} bytes)"
+            )
+            for reference, _ in held.values():
+                stop(reference(), error)
+            del self.traces[bound["trace"]]
+
+
+def stop(mediator: Any, error: BaseException) -> None:
+    """End ``mediator``'s block with ``error`` as its request's error, and drop what it saved."""
+    from greenlet import GreenletExit, getcurrent
+    from nnsight.intervention.errors import capture_exception
+
+    mediator.nnterp_stopped = True
+    mediator.exception = error
+    mediator.nnsight_error = capture_exception(error)
+    saved = _saves()
+    for name in set(getattr(mediator, "nnsight_saved", set())) | set(mediator.presaved):
+        saved.discard(id(dict.get(mediator.lcls, name)))
+        dict.pop(mediator.lcls, name, None)
+    mediator.nnsight_saved, mediator.presaved = set(), set()
+    mediator.pending = None
+    if mediator.alive:
+        mediator.worker.parent = getcurrent()
+        mediator.worker.throw(GreenletExit)

@@ -1,5 +1,6 @@
 """The steered engine's scheduler: vLLM's own, placing each request's steering in the pool before it runs, keying
-its prefix-cache blocks from the first position it steers, and keeping steered generated tokens out of the cache."""
+its prefix-cache blocks from the first position it steers, keeping steered generated tokens out of the cache, and
+requests that run trace code apart from the others."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
+from .remote import EDITS_KEY, TRACE_KEY
 from .steered_settings import sizes_of
 from .steering_pool import SteeringPool
 
@@ -37,6 +39,69 @@ def request_steering_of(request: Any, key: str = EXTRA_ARGS_KEY) -> dict[str, An
     ``None``."""
     params = request.sampling_params
     return (params.extra_args or {}).get(key) if params is not None else None
+
+
+def carries_trace(request: Any) -> bool:
+    """Whether a scheduled request runs trace code: its own block (nnsight's client puts it in ``extra_args``), or
+    edits left on the engine that it names."""
+    extra = (request.sampling_params.extra_args or {}) if request.sampling_params is not None else {}
+    return TRACE_KEY in extra or bool(extra.get(EDITS_KEY))
+
+
+#: The share of the engine's time steps running trace code take while requests that run none wait too.
+TRACE_SHARE = 1 / 3
+#: How much of the time each kind took so far counts at the next step (older steps weigh less).
+TIME_KEPT = 0.9
+
+
+class TraceSteps:
+    """Keeps requests that run trace code and requests that run none in separate steps, while both wait.
+
+    A step with trace code in it runs eagerly (`runners`): every request in it would lose vLLM's compiled model (and
+    its CUDA graphs), and the trace's code runs beside every token of the step. So while both kinds wait, each step
+    takes one kind only, the one further below its share of the engine's time: `TRACE_SHARE` for the steps running
+    trace code, the rest for the others (the OpenAI routes' requests, steered or not). Each step's time is measured
+    from its schedule to the next (older steps weighing less, `TIME_KEPT`); the other kind's running requests sit
+    the step out (vLLM's ``next_decode_eligible_step``), its waiting ones are passed over. With one kind waiting,
+    every step is its.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        import os
+
+        self.scheduler = scheduler
+        self.separate = os.environ.get("NNTERP_VLLM_TRACE_STEPS", "separate") == "separate"
+        #: Engine seconds each kind (``True``: trace code) took while both waited, older ones weighing less.
+        self.spent = {False: 0.0, True: 0.0}
+        self.last: tuple[bool, float] | None = None
+        #: The kind this step leaves out, or ``None``.
+        self.left_out: bool | None = None
+
+    def new_step(self) -> None:
+        """Choose the kind of the step about to be scheduled, and have the other's running requests sit it out."""
+        import time
+
+        now = time.monotonic()
+        if self.last is not None:
+            kind, started = self.last
+            self.spent = {key: TIME_KEPT * spent for key, spent in self.spent.items()}
+            self.spent[kind] += now - started
+        self.last, self.left_out = None, None
+        scheduler = self.scheduler
+        waiting = {carries_trace(request) for request in [*scheduler.running, *scheduler.waiting]}
+        if not self.separate or len(waiting) < 2:
+            self.spent = {False: 0.0, True: 0.0}
+            return
+        kind = self.spent[True] / TRACE_SHARE < self.spent[False] / (1 - TRACE_SHARE)
+        self.last, self.left_out = (kind, now), not kind
+        for request in scheduler.running:
+            if carries_trace(request) != kind:
+                # vLLM's scheduler passes over a running request until the step this names.
+                request.next_decode_eligible_step = max(request.next_decode_eligible_step, scheduler.current_step + 2)
+
+    def admits(self, request: Any) -> bool:
+        """Whether a waiting ``request`` may be scheduled in this step."""
+        return self.left_out is None or carries_trace(request) != self.left_out
 
 
 class PromptCachingScheduler:
@@ -70,11 +135,16 @@ class PromptCachingScheduler:
         )
         schedule, ready, free = scheduler.schedule, scheduler._handle_blocked_waiting_request, scheduler._free_request
 
+        kinds = TraceSteps(scheduler)
+
         def schedule_placing(*args: Any, **kwargs: Any) -> Any:
             pool.new_step()
+            kinds.new_step()
             return schedule(*args, **kwargs)
 
         def ready_and_placed(request: Any) -> bool:
+            if not kinds.admits(request):
+                return False
             probes = request_steering_of(request, PROBES_KEY)
             return ready(request) and pool.admit(request.request_id, request_steering_of(request), probes)
 

@@ -46,6 +46,7 @@ from .capture import CAPTURE_SETTING, unpack
 from .closed import refuse_after_shutdown, shut_down_llm
 from .compile_cache import start_recompiling_once
 from .memory import PROBE_COLUMNS, STEERING_ROWS_PER_SEQUENCE
+from .remote import TRACE_KEY
 from .shared_rows import INTO
 from .steered_settings import (
     CONFIG_KEY,
@@ -322,6 +323,17 @@ def attach_activations(output: RequestOutput, wire: dict[str, Any] | None, taken
     output.activations = completion.activations = activations
 
 
+def isolated(prompt: Any) -> Any:
+    """``prompt`` (text, or any of vLLM's prompt dicts) with a prefix-cache salt of its own, after any salt it had: a
+    trace request's KV, computed under its code, is read by no other request. (nnsight's client already has it read
+    none: ``skip_reading_prefix_cache``.)"""
+    salt = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    own = prompt.get("cache_salt")
+    return {**prompt, "cache_salt": f"{own}|{salt}" if own else salt}
+
+
 def _prompt_length(engine_input: dict[str, Any]) -> int:
     if "prompt_token_ids" in engine_input:
         return len(engine_input["prompt_token_ids"])
@@ -593,9 +605,13 @@ class AsyncSteeredVLLM(SteeringClient, AsyncLLM):
         from its prompt's last-position logits: the last output carries ``activations`` (`attach_activations`),
         ``probes`` (`attach_probes`) and ``metric``.
 
-        The specs are checked against the model and the rendered prompt before the request is added.
+        The specs are checked against the model and the rendered prompt before the request is added. A request
+        carrying nnsight's trace code (as nnsight's client makes it: ``extra_args["nnsight_mediator"]``) runs it,
+        in an eager step, isolated from the prefix cache (`isolated`).
         """
         refuse_after_shutdown(self, type(self).__name__)
+        if TRACE_KEY in (sampling_params.extra_args or {}):
+            prompt = isolated(prompt)
         specs = specs_of(steering)
         wire = None
         (measure,) = self.metric_wires(metric, 1)

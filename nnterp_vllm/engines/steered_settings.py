@@ -24,7 +24,7 @@ from . import capture as in_engine_capture
 from . import containment, memory
 from .capture import CAPTURE_SETTING
 from .memory import PROBE_COLUMNS, EngineSizes, default_steering_entries
-from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, is_cpu_platform, no_saved_graphs
+from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, no_saved_graphs, worker_class
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
@@ -45,11 +45,6 @@ _REFUSED = {
     "ubatch_size": "the steering rows and kept rows are laid out over a whole step, not per micro-batch; "
     "micro-batching (ubatch_size > 1) is not supported",
 }
-#: Dotted paths of the worker classes vLLM instantiates in each worker process, by platform.
-RUNNERS_MODULE = "nnterp_vllm.engines.runners"
-WORKERS = {"cpu": f"{RUNNERS_MODULE}.SteeringCPUWorker", "gpu": f"{RUNNERS_MODULE}.SteeringGPUWorker"}
-#: The classes `runners` builds on first access: the CPU build's pair on its platform, the GPU pair elsewhere.
-WORKER_CLASSES = ("SteeringCPUWorker", "SteeringGPUWorker", "SteeringCPUModelRunner", "SteeringGPUModelRunner")
 #: Dotted path of the steered engine's scheduler.
 SCHEDULER = "nnterp_vllm.engines.scheduling.PromptCachingScheduler"
 
@@ -118,7 +113,7 @@ def steering_settings(
     changed = {name: value for name, value in placed.items() if name not in plain or value is not plain[name]}
     return {
         **changed,
-        "worker_cls": WORKERS["cpu" if is_cpu_platform() else "gpu"],
+        "worker_cls": worker_class(),
         "scheduler_cls": SCHEDULER,
     }
 

@@ -42,7 +42,7 @@ from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, feature_change
-from .capture import count_eager_run, locate
+from .capture import locate, runs
 from .memory import STEERING_PARAMS, Ledger
 from .sae_encoding import DeviceSAE
 from .steering_pool import PLACED, location
@@ -116,6 +116,9 @@ class SteeringTable(torch.nn.Module):
         self.encoding = encoding
         #: How many times the steering operation ran as Python rather than inside a compiled graph.
         self.eager_calls = 0
+        #: Whether no token of the step being run is steered (`Steerer.fill`): an eager step then skips the operation
+        #: (`capture.runs`).
+        self.idle = True
 
     @property
     def directions(self) -> int:
@@ -293,7 +296,8 @@ def steer_at_input(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
 
 def _steered_at(module: torch.nn.Module, places: Sequence[tuple[int, Located]], raw: Any) -> Any:
     steering = module.nnterp_steering
-    count_eager_run(steering)
+    if not runs(steering):
+        return raw
     for at, place in places:
         part = place.part(raw)
         raw = place.replaced(raw, part + steering.steered(at, part))
@@ -302,7 +306,8 @@ def _steered_at(module: torch.nn.Module, places: Sequence[tuple[int, Located]], 
 
 def steer_block(block: torch.nn.Module, args: Any, output: Any) -> Any:
     """Forward hook of a steered block: its output with each token's steering added to the stream."""
-    count_eager_run(block.nnterp_steering)
+    if not runs(block.nnterp_steering):
+        return output
     value = block.nnterp_layer_output
     stream = value.pick("output", output, value.select)
     block.nnterp_steering.read_probes(block.nnterp_layer, stream)
@@ -527,12 +532,15 @@ class Steerer:
             self.staged.new_step()
         plan = []
         offset = 0
+        probing = False
         for i, request_id in enumerate(request_ids):
             rows = self.request(request_id, states[request_id])
             if rows is not None:
                 plan.append((offset, int(computed[i]), int(scheduled[i]), rows))
+            probing = probing or PROBES_KEY in (getattr(states[request_id].sampling_params, "extra_args", None) or {})
             offset += int(scheduled[i])
         self.eager = False
+        self.buffers.idle = not plan and not probing
         if not plan and not self.written:
             return
         target = self.host_rows_np

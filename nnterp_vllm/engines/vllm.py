@@ -11,7 +11,6 @@ computed from the final norm with the model's own head (vLLM itself computes the
 from __future__ import annotations
 
 import dis
-import io
 import weakref
 from types import CodeType, ModuleType
 from typing import Any
@@ -41,7 +40,7 @@ from ..errors import UnavailableValue, UnsupportedFamily
 from ..standardized import SAEs, Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
-from .remote import TRACE_PATH, checkpoint_key
+from .remote import TRACE_PATH, checkpoint_key, load_answer, warn_plain_http
 from .tensor_parallel import check_heads_split
 from .tracing import (
     PARAMETER_READS,
@@ -185,16 +184,21 @@ class ServedTrace(LocalServeBackend):
     --traces``, or nnsight-serve), handing back what a local trace hands back. An error the trace raised comes
     as itself where a local trace's would (`engines.vllm.raise_deferred`), and a list or dict made before the
     trace and filled in it is filled in place (`saving.fill_originals`), by every invoke in invoke order where the
-    server sends each invoke's saves (``"invokes"``: ``nnterp-vllm serve``; nnsight-serve sends them merged)."""
+    server sends each invoke's saves (``"invokes"``: ``nnterp-vllm serve``; nnsight-serve sends them merged).
+
+    The answer is loaded with an allow-list (`remote.load_answer`): nothing in it runs code here. TLS is verified
+    (httpx's default; ``SSL_CERT_FILE`` names a certificate authority of one's own), and a key about to go over
+    plain HTTP to another machine is warned about once (`remote.warn_plain_http`)."""
 
     def _send(self, blob: bytes) -> list[dict[str, Any]]:
         import httpx
         from nnsight.modeling.vllm.serve import http
 
+        warn_plain_http(self.host, self.api_key)
         with httpx.Client(timeout=http.timeout()) as client:
             response = client.post(self.host + TRACE_PATH, content=blob, headers=http.headers(self.api_key))
         http.check(response)
-        result = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
+        result = load_answer(response.content)
         raise_deferred(result.get("error"))
         return result.get("invokes") or [result.get("saves", {})]
 
@@ -344,6 +348,13 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         except WithBlockNotFoundError:
             return self._generate(*inputs, **kwargs)
         return tracer
+
+    def edit(self, *, serve: str | None = None, api_key: str | None = None, **kwargs: Any) -> Any:
+        """nnsight's ``edit`` (a block every later trace runs; ``serve=url`` leaves it on a trace server, for the
+        traces sent with the same key); a key about to go over plain HTTP to another machine is warned about
+        once (`remote.warn_plain_http`)."""
+        warn_plain_http(serve, api_key)
+        return super().edit(serve=serve, api_key=api_key, **kwargs)
 
     def _remoteable_model_key(self) -> str:
         """The checkpoint half of this model's remote key (`engines.remote`): a local directory's absolute path, or

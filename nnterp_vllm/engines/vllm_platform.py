@@ -13,24 +13,23 @@ build it fails twice:
 2. **Worker.** ``VLLM._load_sync``/``_load_async`` hard-code ``worker_cls=VLLM._WORKER_CLS``
    (nnsight's ``NNsightGPUWorker``, a subclass of vLLM's GPU ``Worker``). The CPU platform only
    picks ``CPUWorker`` when ``worker_cls == "auto"`` (``CpuPlatform.check_and_update_config``), so
-   the GPU worker comes up on CPU and dies with ``Unsupported device type: cpu``.
-   :class:`NNsightCPUWorker` subclasses vLLM's ``CPUWorker`` instead, swaps the ``CPUModelRunner``
-   it builds for :class:`NNsightCPUModelRunner` (nnsight's runner mixed over vLLM's CPU runner, the
-   same class swap nnsight does on GPU), and exposes the RPC methods nnsight's GPU worker has.
+   the GPU worker comes up on CPU and dies with ``Unsupported device type: cpu``. The engines'
+   worker (`runners`, named by `worker_class`) subclasses vLLM's ``CPUWorker`` there instead (its
+   ``Worker`` elsewhere), swaps the runner it builds for nnsight's runner mixed over vLLM's (the same
+   class swap nnsight does on GPU, with this library's additions), and exposes the RPC methods
+   nnsight's GPU worker has.
 
 Because nnsight passes ``worker_cls=`` itself *and* forwards the caller's kwargs, a ``worker_cls``
 kwarg given to nnsight's ``VLLM(...)`` reaches ``vllm.LLM`` twice and raises ``TypeError: got
 multiple values for keyword argument 'worker_cls'``. The worker therefore travels as a class
-attribute: :class:`PlatformVLLM` is nnsight's ``VLLM`` with ``_WORKER_CLS`` pointing at
-:data:`CPU_WORKER_CLS` on the CPU platform, the meta build wrapped in :func:`accelerator_noop`, and
-:func:`engine_kwargs`'s CPU defaults applied. On GPU platforms the worker is nnsight's own, with the
-same runner addition as on CPU (`StandardizedRequests`: what a block saved counts its containers of
-saved values, see ``engines/saving.py``).
+attribute: :class:`PlatformVLLM` is nnsight's ``VLLM`` with ``_WORKER_CLS`` pointing at the engines'
+worker, the meta build wrapped in :func:`accelerator_noop`, and :func:`engine_kwargs`'s CPU defaults
+applied.
 
 vLLM resolves the worker class by dotted path, in every worker process it spawns, so the worker
-and runner classes live at module level here. They are built on first attribute access (PEP 562
-``__getattr__``): importing vLLM's worker stack takes seconds, and a process that only asks
-:func:`is_cpu_platform` should not pay for it.
+and runner classes live at module level (`runners`). They are built on first attribute access (PEP 562
+``__getattr__``, `built_on_access`): importing vLLM's worker stack takes seconds, and a process that only
+asks :func:`is_cpu_platform` should not pay for it.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CPU_KV_CACHE_BYTES",
-    "CPU_WORKER_CLS",
     "FIRST_BLOCKS",
     "TAKEN",
     "PlatformVLLM",
@@ -71,14 +69,15 @@ __all__ = [
     "shutdown",
     "shutdown_llm",
     "transformers_classes_kept",
+    "worker_class",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Dotted path of the nnsight worker for vLLM's CPU platform (what vLLM imports in each worker).
-CPU_WORKER_CLS = f"{__name__}.NNsightCPUWorker"
-#: The same on vLLM's GPU platforms: nnsight's GPU worker with this library's runner.
-CUDA_WORKER_CLS = f"{__name__}.NNsightCUDAWorker"
+#: The module of the engines' worker and model-runner classes (`runners`), and the classes it builds on first
+#: access: the CPU build's pair on its platform, the GPU pair elsewhere.
+RUNNERS_MODULE = "nnterp_vllm.engines.runners"
+WORKER_CLASSES = ("EngineCPUWorker", "EngineGPUWorker", "EngineCPUModelRunner", "EngineGPUModelRunner")
 
 #: vLLM's environment variable choosing its model runner: V2 wherever Triton works unless it says otherwise.
 RUNNER_SETTING = "VLLM_USE_V2_MODEL_RUNNER"
@@ -163,10 +162,11 @@ def no_saved_graphs(engine: str) -> None:
 #: worker reserves ``gpu_memory_utilization`` (0.92) of the NUMA node's memory and fails.
 CPU_KV_CACHE_BYTES = 64 * 2**20
 
-#: The RPC methods nnsight's GPU worker adds (``collective_rpc`` targets of nnsight's client side).
-_NNSIGHT_RPC_METHODS = ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered")
 
-_WORKER_CLASSES = ("NNsightCPUWorker", "NNsightCPUModelRunner", "NNsightCUDAWorker", "NNsightCUDAModelRunner")
+def worker_class() -> str:
+    """The dotted path of the worker every engine of this library runs on this platform (vLLM imports it in each
+    worker process): `runners`' worker over vLLM's ``CPUWorker`` on the CPU build, its GPU ``Worker`` elsewhere."""
+    return f"{RUNNERS_MODULE}.Engine{'CPU' if is_cpu_platform() else 'GPU'}Worker"
 
 
 @functools.cache
@@ -448,9 +448,9 @@ def notebook_share(kwargs: dict[str, Any], engine: str) -> dict[str, Any]:
 class PlatformVLLM(VLLM):
     """nnsight's ``VLLM``, made to run on vLLM's CPU build as on its GPU platforms.
 
-    On CPU: the engine's worker is :data:`CPU_WORKER_CLS`, the meta build runs under
-    :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in. Elsewhere the worker is
-    :data:`CUDA_WORKER_CLS` and the engine takes `NOTEBOOK_GPU_MEMORY_UTILIZATION` of the device unless told.
+    The engine's worker is the engines' one (`worker_class`: the steered engine's, here without steering).
+    On CPU the meta build runs under :func:`accelerator_noop`, and :func:`engine_kwargs`'s defaults fill in;
+    elsewhere the engine takes `NOTEBOOK_GPU_MEMORY_UTILIZATION` of the device unless told.
     Either way vLLM's V1 model runner is chosen first (`choose_model_runner`). Takes exactly the arguments of
     nnsight's ``VLLM``.
     """
@@ -465,8 +465,8 @@ class PlatformVLLM(VLLM):
 
     @property
     def _WORKER_CLS(self) -> str:  # noqa: N802 - overrides nnsight's class attribute of that name
-        """The worker class vLLM instantiates: the CPU one on the CPU platform, else the GPU one."""
-        return CPU_WORKER_CLS if is_cpu_platform() else CUDA_WORKER_CLS
+        """The worker class vLLM instantiates: the engines' one (`worker_class`)."""
+        return worker_class()
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Module:
         with accelerator_noop(), meta_moe_weights_unpacked(), transformers_classes_kept():
@@ -567,79 +567,6 @@ def shutdown_llm(llm: Any) -> None:
         renderer.shutdown()
 
 
-def _define_worker_classes() -> None:
-    """Build this platform's worker and model-runner classes (:data:`_WORKER_CLASSES`) into this module: the CPU
-    build's pair on its platform, the CUDA pair elsewhere. Nothing of the CPU build is imported off its platform
-    (its worker module replaces ``torch.cuda``'s events and streams process-wide as it is imported)."""
-    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
-    from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-
-    from .containment import keep_kv_cache_finite
-    from .saving import mark_in_worker
-
-    class StandardizedRequests(Requests):
-        """nnsight's per-request bookkeeping; what a block saved also counts its containers of saved values."""
-
-        def record(self, mediator: Any) -> None:
-            mark_in_worker(mediator)
-            super().record(mediator)
-
-    class StandardizedRunner:
-        """A model-runner mixin over nnsight's runner: its requests are `StandardizedRequests`, its model runs
-        only the first blocks where ``additional_config`` asks (`run_first_blocks`), and its attention layers
-        cache only finite keys and values (`containment`). It reads the model vLLM loaded (``get_model()``), never
-        the CUDA-graph wrapper vLLM may put around it."""
-
-        def load_model(self, *args: Any, **kwargs: Any) -> None:
-            super().load_model(*args, **kwargs)  # type: ignore[misc]
-            model = self.get_model()  # type: ignore[attr-defined]
-            run_first_blocks(model, self.vllm_config)  # type: ignore[attr-defined]
-            keep_kv_cache_finite(model)
-            self.nnsight_requests.__class__ = StandardizedRequests
-
-    if not is_cpu_platform():
-
-        class NNsightCUDAModelRunner(StandardizedRunner, NNsightGPUModelRunner):
-            """nnsight's model runner on vLLM's GPU platforms, with `StandardizedRequests`."""
-
-        class NNsightCUDAWorker(NNsightGPUWorker):
-            """nnsight's GPU worker whose runner is :class:`NNsightCUDAModelRunner`."""
-
-            def init_device(self) -> None:
-                super().init_device()
-                self.model_runner.__class__ = NNsightCUDAModelRunner
-
-        publish(globals(), NNsightCUDAModelRunner, NNsightCUDAWorker)
-        return
-
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    class NNsightCPUModelRunner(StandardizedRunner, NNsightGPUModelRunner, CPUModelRunner):
-        """nnsight's model runner over vLLM's CPU runner.
-
-        MRO: nnsight's hooks (``load_model``, ``_update_states``, ``execute_model``,
-        ``sample_tokens``, ``_sample``, ...) call ``super()`` into ``CPUModelRunner``, which
-        overrides the device-specific parts of ``GPUModelRunner``. Neither nnsight's runner nor
-        this class adds constructor state, so an already built ``CPUModelRunner`` can be re-classed.
-        """
-
-    class NNsightCPUWorker(CPUWorker):
-        """vLLM's CPU worker whose model runner interleaves nnsight interventions."""
-
-        def init_device(self) -> None:
-            """Bring up the CPU device and runner, then swap in :class:`NNsightCPUModelRunner`."""
-            super().init_device()
-            refuse_other_runner(self.model_runner, CPUModelRunner, "nnsight")
-            self.model_runner.__class__ = NNsightCPUModelRunner
-
-    # The same RPC methods as nnsight's GPU worker: they only forward to the runner.
-    for name in _NNSIGHT_RPC_METHODS:
-        setattr(NNsightCPUWorker, name, getattr(NNsightGPUWorker, name))
-
-    publish(globals(), NNsightCPUModelRunner, NNsightCPUWorker)
-
-
 def refuse_other_runner(runner: Any, expected: type, instrumented_by: str) -> None:
     """Raise where a worker built another model runner than vLLM's V1 ``expected`` one (`choose_model_runner`
     makes that choice before the engine's config is built; this is the worker's own check of it)."""
@@ -677,7 +604,3 @@ def built_on_access(namespace: dict[str, Any], names: tuple[str, ...], define: A
         raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
 
     return __getattr__
-
-
-#: The worker classes are built on first access; see the module docstring.
-__getattr__ = built_on_access(globals(), _WORKER_CLASSES, _define_worker_classes)

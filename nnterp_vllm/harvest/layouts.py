@@ -236,9 +236,7 @@ class Safetensors:
         return tensor_parts(columns, own)
 
     @staticmethod
-    def place(
-        path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]], own: dict[str, Any]
-    ) -> int:
+    def place(path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]], own: dict[str, Any]) -> int:
         """Begin a shard at ``path`` whose values are filled in place: write the header, ``columns`` and then room
         for the tensors ``room`` names (name, dtype, shape; back to back, in that order, each no wider an element
         than ``columns``' narrowest; ``own``: the shard's own record); the byte at which that room starts. Its

@@ -60,7 +60,7 @@ from .fields import (
 from .guard import GuardEveryRoute, api_keys
 from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, record, taken
 from .registry import Registry
-from .traces import add_route, trace_engine
+from .traces import add_route, runs_no_edits
 from .traces import body_bound as trace_body_bound
 
 STEERING = "steering"
@@ -86,7 +86,11 @@ BYTES_PER_NUMBER = 25
 
 class SteeringEngineClient(AsyncSteeredVLLM):
     """`AsyncSteeredVLLM` as vLLM's handlers call it: a request's checked specs and capture come with the request,
-    and the rows it kept are recorded for its response."""
+    and the rows it kept are recorded for its response; with ``--traces``, a request of the OpenAI routes runs no
+    client's edit (`traces.runs_no_edits`)."""
+
+    #: Whether the server runs traces (``--traces``), whose clients may leave edits on the engine.
+    traces = False
 
     async def generate(
         self,
@@ -104,6 +108,8 @@ class SteeringEngineClient(AsyncSteeredVLLM):
         steering = checked(STEERING) if steering is None else steering
         capture = checked(CAPTURE) if capture is None else capture
         probes = checked(PROBES) if probes is None else probes
+        if self.traces:
+            sampling_params = runs_no_edits(sampling_params)
         outputs = super().generate(
             prompt, sampling_params, request_id, steering=steering, capture=capture, probes=probes, **kwargs
         )
@@ -438,11 +444,6 @@ async def steered_engine(arguments: AsyncEngineArgs, vllm_config: Any) -> AsyncI
         engine.shutdown(timeout=vllm_config.shutdown_timeout)
 
 
-def traced(args: argparse.Namespace) -> contextlib.AbstractAsyncContextManager[Any]:
-    """With ``--traces``, the engine traces run on (`traces.trace_engine`); else nothing."""
-    return trace_engine(args) if args.traces else contextlib.nullcontext()
-
-
 async def build_app(engine: SteeringEngineClient, args: argparse.Namespace, registry: Registry) -> FastAPI:
     """vLLM's app (``build_app``, ``init_app_state``) over ``engine``, with `SteeringEndpoints` added."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -453,7 +454,8 @@ async def build_app(engine: SteeringEngineClient, args: argparse.Namespace, regi
     endpoints = SteeringEndpoints(registry)
     endpoints.attach_router(app)
     if args.traces:
-        add_route(app, args)
+        engine.traces = True
+        add_route(app, args, engine)
     endpoints.attach_guards(app, engine, args)
     await init_app_state(engine, app.state, args, supported_tasks)
     await endpoints.init_state(engine, app.state, args)
@@ -477,7 +479,7 @@ async def run_server(
     uvicorn_kwargs: dict[str, Any] = {}
     if (log_config := get_uvicorn_log_config(args)) is not None:
         uvicorn_kwargs["log_config"] = log_config
-    async with steered_engine(arguments, vllm_config) as engine, traced(args):
+    async with steered_engine(arguments, vllm_config) as engine:
         app = await build_app(engine, args, registry)
         shutdown = await serve_http(
             app,

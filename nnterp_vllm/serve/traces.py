@@ -8,16 +8,18 @@ caller's variables; an exception the trace raised is raised there with its type 
 The routes are nnsight-serve's (`TRACE_PATH` and the edit routes under `EDIT_PATH`, with their wire format, so
 nnsight's client is the client, unchanged), handled here (`run_trace`: each invoke's saves are also sent apart;
 `Edits`: a block left on the engine with ``model.edit(serve=url)`` runs only for its own key's traces). They run
-on an engine of their own beside the steered engine that serves the OpenAI routes: a `StandardizedVLLM` in
-nnsight's streaming mode (vLLM's ``AsyncLLM``), whose continuous batch joins the traces of concurrent clients.
-In front of them:
+on the engine of the OpenAI routes, in its continuous batch: a trace's requests go to the steered engine as
+nnsight's own requests do (each invoke's code serialized onto its request), and a step that runs trace code runs
+eagerly with nnsight's interleaving while the others stay compiled (`engines.runners`). A weightless
+`StandardizedVLLM` of the same checkpoint rebuilds each trace (`TraceBuilder`). In front of them:
 
 - the API key is checked before the body is read (`guard.GuardEveryRoute`; nnsight's client sends it as
   ``ndif-api-key``), so nothing of an unauthenticated body is ever deserialized;
 - the body (a trace's or an edit's) is read up to ``--max-trace-bytes``, 413 past it, before anything is
   deserialized (`body_bound`, which `intake.RequestIntake` applies);
 - a trace runs at most ``--trace-timeout`` seconds: 408 past it, its requests aborted in the engine;
-- what a trace saved is sent back up to ``--max-saved-bytes``: 413 past it.
+- what a trace saves is counted in the engine as its steps save it, and the trace is refused (413) as soon as it
+  would pass ``--max-saved-bytes`` (`engines.saving.SavedBytes`); the answer is streamed out as it is serialized.
 
 A trace is code the server runs, with the server's rights: ``--traces`` trusts whoever holds an API key
 as much as whoever started the server.
@@ -27,10 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
-import io
 import ipaddress
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -38,10 +39,11 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engines.remote import TRACE_PATH
-from ..engines.saving import WRITTEN
+from ..engines.remote import EDITS_KEY, TRACE_PATH
+from ..engines.saving import SAVED_BYTES_KEY, WRITTEN
+from ..errors import SavedTooMuch
 from .errors import error_json
 
 #: The header nnsight's client sends its key in.
@@ -52,22 +54,15 @@ EDIT_PATH = "/v1/nnsight/register/"
 MAX_TRACE_BYTES = 64 * 2**20
 TRACE_TIMEOUT_SECONDS = 600.0
 MAX_SAVED_BYTES = 1 << 30
+#: Bytes of a trace's serialized answer handed to the response at a time, and how many such parts wait at most.
+ANSWER_PART_BYTES = 2**20
+ANSWER_PARTS_WAITING = 4
 #: Traces cancelled past their time, and collects of requests cancelled before theirs, held until they have wound
 #: up (`keep_until_done`).
 _winding_up: set[asyncio.Future] = set()
-#: Engine arguments of ``vllm serve`` that the trace engine is built with too, where given.
-SHARED_ENGINE_ARGUMENTS = (
-    "dtype",
-    "max_model_len",
-    "tensor_parallel_size",
-    "revision",
-    "tokenizer",
-    "trust_remote_code",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "seed",
-)
+#: Engine arguments of ``vllm serve`` that shape the model's module tree, which the weightless model rebuilding
+#: traces is built with too, where given.
+TREE_ARGUMENTS = ("dtype", "max_model_len", "revision", "tokenizer", "trust_remote_code")
 
 
 def add_arguments(parser: Any) -> None:
@@ -76,8 +71,8 @@ def add_arguments(parser: Any) -> None:
     group.add_argument(
         "--traces",
         action="store_true",
-        help=f"run nnsight traces sent with model.trace(..., serve=URL, api_key=KEY) at {TRACE_PATH}, on an "
-        "engine of their own. A trace is code the server runs with its rights: whoever holds an API key is "
+        help=f"run nnsight traces sent with model.trace(..., serve=URL, api_key=KEY) at {TRACE_PATH}, on the "
+        "engine of the OpenAI routes. A trace is code the server runs with its rights: whoever holds an API key is "
         "trusted as the server's user. Without --api-key only on a loopback --host",
     )
     group.add_argument(
@@ -96,7 +91,8 @@ def add_arguments(parser: Any) -> None:
         "--max-saved-bytes",
         type=int,
         default=MAX_SAVED_BYTES,
-        help="bytes of saved values one trace may send back; more is answered 413",
+        help="bytes of values one trace may save, counted in the engine as they are saved; a trace that would "
+        "save more is stopped there and answered 413",
     )
 
 
@@ -130,25 +126,45 @@ def loopback(host: str | None) -> bool:
         return False
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The trace engine's arguments: the ones of `SHARED_ENGINE_ARGUMENTS` given on the command line."""
-    given = {name: getattr(args, name, None) for name in SHARED_ENGINE_ARGUMENTS}
-    return {name: value for name, value in given.items() if value is not None and value != "auto"}
+class TraceBuilder:
+    """What rebuilds a sent trace as requests of the server's engine: a weightless `StandardizedVLLM` of the
+    server's checkpoint (its module tree, no engine), against which nnsight's serialized trace is read back and
+    each invoke's code serialized onto its request, as nnsight's own client does."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        from ..engines.vllm import StandardizedVLLM
 
-@contextlib.asynccontextmanager
-async def trace_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
-    """The model traces run on (dispatched, streaming), registered with nnsight-serve's handler; shut down on exit."""
-    from nnsight.modeling.vllm.serve import server as nnsight_serve
+        given = {name: getattr(args, name, None) for name in TREE_ARGUMENTS}
+        self.model = StandardizedVLLM(
+            args.model, **{name: value for name, value in given.items() if value is not None and value != "auto"}
+        )
+        # Edits reach the engine over HTTP, so nnsight's client-side check of their names has nothing to consult.
+        self.model._serving = True
+        self.persistent_objects = self.model._remoteable_persistent_objects()
 
-    from ..engines.vllm import StandardizedVLLM
+    def requests(self, body: bytes, compress: bool) -> tuple[list[Any], list[Any], list[Any]]:
+        """The prompts, sampling params (each invoke's code in its ``extra_args``) and LoRA requests of a sent trace.
 
-    model = StandardizedVLLM(args.model, mode="async", dispatch=True, **engine_kwargs(args))
-    try:
-        nnsight_serve.set_model(model)
-        yield model
-    finally:
-        model.shutdown()
+        Built without an await, so concurrent builds never interleave on the model's one interleaver; nnsight
+        reads a file's source once per process, but each trace brings its own under its client's file name (put in
+        linecache by the build): a second trace from a file of the same name must not find the first's."""
+        import ast
+        import linecache
+
+        from nnsight.schema.request import RequestModel
+        from nnsight.tracing.globals import SOURCES
+
+        model = self.model
+        try:
+            tracer = RequestModel.deserialize(body, self.persistent_objects, compress=compress)
+            filename = tracer.info.frame.f_code.co_filename
+            tracer.node = ast.parse("".join(linecache.cache[filename][2]))
+            SOURCES.pop(filename, None)
+            _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
+            model._attach_mediators(params, **forward_kwargs)
+        finally:
+            model.interleaver.cancel()
+        return prompts, params, lora_requests or [None] * len(prompts)
 
 
 def sent_code(path: str) -> bool:
@@ -166,13 +182,15 @@ def body_bound(args: argparse.Namespace) -> dict[str, tuple[int, str]]:
     return {path: (args.max_trace_bytes, message) for path in (TRACE_PATH, EDIT_PATH)}
 
 
-def add_route(app: FastAPI, args: argparse.Namespace) -> None:
-    """`TRACE_PATH` on ``app`` (`run_trace`, behind the time and saved-bytes bounds; the body's is `body_bound`), and
-    nnsight-serve's edit routes under `EDIT_PATH`, each caller's edits kept apart (`Edits`)."""
-    edits = Edits()
+def add_route(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
+    """`TRACE_PATH` on ``app`` (`run_trace` on ``engine``, behind the time bound; the body's is `body_bound`, the
+    saved values' is counted in the engine), and nnsight-serve's edit routes under `EDIT_PATH`, each caller's edits
+    kept apart (`Edits`)."""
+    builder = TraceBuilder(args)
+    edits = Edits(engine)
 
     async def bounded_trace(request: Request) -> Response:
-        running = asyncio.ensure_future(run_trace(request, edits))
+        running = asyncio.ensure_future(run_trace(request, builder, engine, edits, args.max_saved_bytes))
         await asyncio.wait({running}, timeout=args.trace_timeout)
         if not running.done():
             # Cancelled, its requests are aborted and collected as soon as the engine answers; the client is
@@ -184,14 +202,14 @@ def add_route(app: FastAPI, args: argparse.Namespace) -> None:
                 "aborted: run less in one trace (fewer tokens or invokes), or start the server with a larger bound",
                 HTTPStatus.REQUEST_TIMEOUT,
             )
-        answer = running.result()
-        if len(answer.body) > args.max_saved_bytes:
+        invokes, error = running.result()
+        if error is not None and error.get("type_name") == SavedTooMuch.__name__:
             return refused(
-                f"the trace saved {len(answer.body)} bytes, more than this server sends back ({args.max_saved_bytes} "
-                "bytes, --max-saved-bytes): save less (a slice, a reduction), or start the server with a larger bound",
+                f"{error.get('message')} (--max-saved-bytes): save less (a slice, a reduction), or start the "
+                "server with a larger bound",
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
-        return answer
+        return saved_answer(invokes, error)
 
     async def install_edit(registration_id: str, request: Request, name: str | None = None) -> Response:
         return await edits.install(request, registration_id, name)
@@ -210,47 +228,33 @@ def keep_until_done(task: asyncio.Future) -> None:
     task.add_done_callback(_winding_up.discard)
 
 
-async def run_trace(request: Request, edits: Edits) -> Response:
-    """nnsight-serve's trace handler, with each invoke's saves kept apart and only the caller's own edits run.
-
-    The answer is nnsight-serve's (``torch.save`` of ``{"saves": merged, "error": first error}``, which nnsight's
-    own client reads) with ``"invokes"`` beside it: each invoke's saves, in invoke order (the same objects, stored
-    once), from which `engines.vllm.ServedTrace` fills a list several invokes filled as a local trace does.
-    """
+async def run_trace(
+    request: Request, builder: TraceBuilder, engine: Any, edits: Edits, max_saved_bytes: int
+) -> tuple[list[dict[str, Any]], Any]:
+    """nnsight-serve's trace handler on ``engine``, with only the caller's own edits run and the trace's saved
+    values bounded in the engine (`engines.saving.SavedBytes`): each invoke's saves, in invoke order, and the first
+    error (nnsight's deferred form) or ``None``."""
     from nnsight.intervention.errors import capture_exception
-    from nnsight.modeling.vllm.serve import server as nnsight_serve
-    from nnsight.tracing.globals import SOURCES
 
-    model = nnsight_serve._ready()
     body = await request.body()
     compress = request.headers.get("nnsight-compress", "False").lower() == "true"
     try:
-        # Built without an await, so concurrent builds never interleave on the model's one interleaver.
-        tracer = nnsight_serve._build_tracer(body, compress)
-        # nnsight reads a file's source once per process, but each trace brings its own under its client's file
-        # name (put in linecache by the build): a second trace from a file of the same name must not find the first's.
-        SOURCES.pop(tracer.info.frame.f_code.co_filename, None)
-        _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
-        model._attach_mediators(params, **forward_kwargs)
+        prompts, params, lora_requests = builder.requests(body, compress)
+        bound = {"trace": uuid.uuid4().hex, "bytes": max_saved_bytes}
         for param in params:
-            param.extra_args["nnsight_edits"] = edits.run_by(caller(request), param.extra_args.get("nnsight_edits"))
+            param.extra_args[EDITS_KEY] = edits.run_by(caller(request), param.extra_args.get(EDITS_KEY))
+            param.extra_args[SAVED_BYTES_KEY] = bound
     except Exception as exception:
-        return saved_answer([], capture_exception(exception))
-    finally:
-        model.interleaver.cancel()
+        return [], capture_exception(exception)
     outcomes = await asyncio.gather(
-        *(
-            run_invoke(model.vllm_entrypoint, prompt, param, lora_requests[index] if lora_requests else None)
-            for index, (prompt, param) in enumerate(zip(prompts, params))
-        ),
-        return_exceptions=True,
+        *(run_invoke(engine, *request) for request in zip(prompts, params, lora_requests)), return_exceptions=True
     )
     invokes, error = [], None
     for outcome in outcomes:
         saves, raised = ({}, capture_exception(outcome)) if isinstance(outcome, BaseException) else outcome
         invokes.append(saves)
         error = error or raised
-    return saved_answer(invokes, error)
+    return invokes, error
 
 
 async def run_invoke(engine: Any, prompt: Any, param: Any, lora_request: Any) -> tuple[dict[str, Any], Any]:
@@ -277,11 +281,55 @@ async def run_invoke(engine: Any, prompt: Any, param: Any, lora_request: Any) ->
 
 def saved_answer(invokes: list[dict[str, Any]], error: Any) -> Response:
     """A trace's answer: nnsight-serve's merged ``"saves"`` (a later invoke's value wins a name, as nnsight merges
-    them) and ``"error"``, and each invoke's own saves under ``"invokes"``."""
+    them) and ``"error"``, and each invoke's own saves under ``"invokes"`` (the same objects, stored once), in
+    ``torch.save``'s format, streamed out as it is serialized (`streamed`)."""
     merged = {name: value for saves in invokes for name, value in saves.items() if name != WRITTEN}
-    buffer = io.BytesIO()
-    torch.save({"saves": merged, "invokes": invokes, "error": error}, buffer)
-    return Response(content=buffer.getvalue(), media_type="application/octet-stream")
+    answer = {"saves": merged, "invokes": invokes, "error": error}
+    return StreamingResponse(streamed(answer), media_type="application/octet-stream")
+
+
+async def streamed(answer: Any) -> AsyncIterator[bytes]:
+    """``torch.save(answer)``'s bytes, serialized on a thread and handed on a part at a time: at most
+    `ANSWER_PARTS_WAITING` parts of `ANSWER_PART_BYTES` wait for the client, never the whole answer."""
+    loop = asyncio.get_running_loop()
+    parts: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(ANSWER_PARTS_WAITING)
+    gone = threading.Event()
+
+    def put(part: bytes | BaseException | None) -> None:
+        if not gone.is_set():
+            asyncio.run_coroutine_threadsafe(parts.put(part), loop).result()
+
+    class Parts:
+        def write(self, data: Any) -> int:
+            view = memoryview(data).cast("B")
+            for start in range(0, len(view), ANSWER_PART_BYTES):
+                if gone.is_set():
+                    raise ConnectionAbortedError("the client went away")
+                put(bytes(view[start : start + ANSWER_PART_BYTES]))
+            return len(view)
+
+        def flush(self) -> None:
+            pass
+
+    def serialize() -> None:
+        try:
+            torch.save(answer, Parts())
+        except BaseException as error:  # noqa: BLE001 - handed to the response, which raises it
+            put(error)
+        else:
+            put(None)
+
+    writer = loop.run_in_executor(None, serialize)
+    try:
+        while (part := await parts.get()) is not None:
+            if isinstance(part, BaseException):
+                raise part
+            yield part
+    finally:
+        gone.set()
+        while not parts.empty():
+            parts.get_nowait()
+        await writer
 
 
 def caller(request: Request) -> str:
@@ -293,18 +341,31 @@ def caller(request: Request) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
+def runs_no_edits(params: Any) -> Any:
+    """``params`` of a request that is not a trace's (an OpenAI route's), naming no edit to run: nnsight's engine runs
+    every edit for a request that names none, and an edit is its key's, for its key's traces only."""
+    extra = params.extra_args or {}
+    if EDITS_KEY in extra:
+        return params
+    params = params.clone()
+    params.extra_args = {**extra, EDITS_KEY: []}
+    return params
+
+
 class Edits:
-    """Blocks clients left on the trace engine with ``model.edit(serve=url)`` (nnsight-serve's edit routes), each
+    """Blocks clients left on the engine with ``model.edit(serve=url)`` (nnsight-serve's edit routes), each
     caller's (`caller`: its key) apart from every other's.
 
     nnsight's engine runs an edit installed without a name for every request, and every edit for a request that
-    names none. Here every edit is installed under a name of its caller's (`engine_name`), and each trace request
+    names none. Here every edit is installed under a name of its caller's (`engine_name`), each trace request
     names the edits it runs (`run_by`): its caller's own, all of them or those it asked for by name (with the
-    caller's unnamed ones, as nnsight runs them). So one client's edit never changes another client's trace, and
-    an edit is cleared only by the key that installed it.
+    caller's unnamed ones, as nnsight runs them), and every other request names none (`runs_no_edits`). So one
+    client's edit never changes another client's trace nor any OpenAI request, and an edit is cleared only by the
+    key that installed it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
         #: ``{caller: {registration id: name or None}}``.
         self.installed: dict[str, dict[str, str | None]] = {}
 
@@ -335,13 +396,10 @@ class Edits:
 
     async def install(self, request: Request, registration_id: str, name: str | None) -> Response:
         """nnsight-serve's install route: the block in the body goes on the engine under its caller's name."""
-        from nnsight.modeling.vllm.serve import server as nnsight_serve
-
-        engine = nnsight_serve._ready().vllm_entrypoint
         who = caller(request)
         payload = await request.body()
         try:
-            await engine.collective_rpc(
+            await self.engine.collective_rpc(
                 "nnsight_register",
                 args=(self.engine_id(who, registration_id), payload, self.engine_name(who, registration_id, name)),
             )
@@ -352,14 +410,11 @@ class Edits:
 
     async def clear(self, request: Request, registration_id: str) -> Response:
         """nnsight-serve's clear route: an edit of the caller's own comes off the engine; any other id is a no-op."""
-        from nnsight.modeling.vllm.serve import server as nnsight_serve
-
-        engine = nnsight_serve._ready().vllm_entrypoint
         who = caller(request)
         own = self.installed.get(who, {})
         if registration_id in own:
             del own[registration_id]
-            await engine.collective_rpc("nnsight_clear_registered", args=(self.engine_id(who, registration_id),))
+            await self.engine.collective_rpc("nnsight_clear_registered", args=(self.engine_id(who, registration_id),))
         return JSONResponse({"status": "ok", "id": registration_id})
 
 
