@@ -360,6 +360,35 @@ def test_only_the_kept_rows_leave_the_device_handed_on_in_order_once_arrived(mon
     assert len(copies) == steps * 4 and all(event.waited for event in copies)
 
 
+def test_rows_the_writer_thread_is_writing_survive_the_request_growing_meanwhile(monkeypatch):
+    """The engine's thread grows a request's tensors (`KeptRows.room`) for the next step while the writer thread
+    is halfway through writing the previous step's rows into them: the growth waits for the write, and keeps it."""
+    request = kept_request(1, hidden=4)
+    request.filled = 2
+    rows = torch.arange(8.0).reshape(2, 4)
+    halfway, go_on = threading.Event(), threading.Event()
+    copy = torch.Tensor.copy_
+
+    def held_copy(target: torch.Tensor, source: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if threading.current_thread().name == "writer":
+            halfway.set()
+            go_on.wait(10)
+        return copy(target, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", held_copy)
+    writer = threading.Thread(target=Piece(request, None, 0, 0, 0, 0, 2).write, args=(rows,), name="writer")
+    writer.start()
+    assert halfway.wait(10)
+    grower = threading.Thread(target=request.room, args=(4,))
+    grower.start()
+    grower.join(0.5)  # unguarded, the growth would finish here, copying the rows from before the write
+    go_on.set()
+    writer.join(10)
+    grower.join(10)
+    assert request.tensors[0].shape[0] == 4
+    torch.testing.assert_close(request.tensors[0][:2], rows)
+
+
 def test_a_last_position_step_moves_one_row_per_request_and_value():
     values, tokens, hidden = 4, 16, 8
     rows, leaving = leaving_rows(values, tokens, hidden, stand_in_device())

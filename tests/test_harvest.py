@@ -607,10 +607,20 @@ class TestAHarvestOnASteeredVLLM:
     @pytest.fixture(scope="class")
     def engine(self, llama_path):
         from nnterp_vllm import SteeredVLLM
+        from nnterp_vllm.harvest.in_engine import ENGINE_DEFAULTS
 
-        model = SteeredVLLM(llama_path, dtype="float32", capture_values=self.VALUES, enable_prefix_caching=False)
+        # Built as the harvest builds its own engine: capture only, no steering operation.
+        model = SteeredVLLM(llama_path, dtype="float32", capture_values=self.VALUES, **ENGINE_DEFAULTS)
         yield model
         model.shutdown()
+
+    def test_the_engine_the_harvest_builds_runs_no_steering_operation_and_refuses_steering(self, engine):
+        from nnterp_vllm import Steering
+
+        (stats,) = engine.steering_stats()
+        assert stats["operations"] == 0 and stats["entries"] == 0
+        with pytest.raises(ValueError, match=r"need 1 distinct block contents of the engine's steering pool, which "):
+            engine.generate("Hello", steering=Steering(1, torch.ones(engine.hidden_size)), use_tqdm=False)
 
     def test_the_sae_lens_layout_holds_the_transformers_harvest(self, engine, harvests, tmp_path):
         import datasets

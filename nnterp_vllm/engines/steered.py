@@ -356,7 +356,9 @@ class SteeredVLLM(SteeringClient, LLM):
         max_steering_entries: The steering pool's size: how many distinct contents (the specs one request applies
             at one block, shared by every block and request applying the same) the engine holds at once; by default
             as many as 32 MiB holds, within 64..512 (`memory.default_steering_entries`). A request whose content
-            does not fit the room left waits in the scheduler until it does, as for KV blocks.
+            does not fit the room left waits in the scheduler until it does, as for KV blocks. 0 (with
+            ``max_probe_columns=0``) builds an engine that steers nothing and runs no steering operation: a
+            capture-only engine, as the harvest builds.
         max_probe_columns: Probe columns (each class of a `steering.probes.Probe` a request reads, and each gate's
             read) the engine reads at every block as one small product, and so holds at once (16 by default; 0 reads
             none: no probes, no gates).

@@ -80,7 +80,7 @@ def steering_settings(
             raise ValueError(f"{name} is refused by the steered engine (got {given[name]!r}): {_REFUSED[name]}")
     for setting, number, least in (
         ("steering_directions_per_block", directions_per_block, 1),
-        ("max_steering_entries", steering_entries, 1),
+        ("max_steering_entries", steering_entries, 0),
         ("max_probe_columns", probe_columns, 0),
     ):
         if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < least):

@@ -373,15 +373,19 @@ class Steerer:
                 f"num_hidden_layers={model_config.hf_text_config.num_hidden_layers}"
             )
         self.buffers = SteeringTable(ledger, topk, encoding)
-        for index, (block, value) in enumerate(blocks):
+        self.num_layers, self.hidden = len(blocks), model_config.get_hidden_size()
+        self.directions = self.buffers.directions
+        # An engine whose pool holds no entry and reads no probe (a harvest's) runs no steering operation at all.
+        steers = self.buffers.vectors.shape[0] > 1 or self.buffers.probe_weights is not None
+        #: Places the steering operation runs at in each forward (none on an engine that steers nothing).
+        self.operations = len(blocks) if steers else 0
+        for index, (block, value) in enumerate(blocks if steers else []):
             block.nnterp_steering = self.buffers
             block.nnterp_layer = index
             block.nnterp_layer_output = value
             block.register_forward_hook(steer_block)
-        self.num_layers, self.hidden = len(blocks), model_config.get_hidden_size()
-        self.directions = self.buffers.directions
         #: Why a value other than ``layer_output`` cannot be steered on this model, by value (``None``: it can).
-        self.unwritable = self._hook_locations(model, model_type)
+        self.unwritable = self._hook_locations(model, model_type, steers)
         # On an accelerator the token rows and each new entry's and row's content are written into pinned host
         # memory (the memory model's "... written" buffers) and copied over without blocking, on the compute
         # stream, before the step's forward. `fill` runs inside vLLM's input preparation, which (under async
@@ -404,10 +408,10 @@ class Steerer:
         #: Whether the step being prepared must run eagerly (a token in it clamps a TopK SAE's feature).
         self.eager = False
 
-    def _hook_locations(self, model: torch.nn.Module, model_type: str) -> dict[str, str | None]:
+    def _hook_locations(self, model: torch.nn.Module, model_type: str, steers: bool) -> dict[str, str | None]:
         """Hook the pool's locations beside the blocks' outputs (what each attention and MLP adds, the stream entering
-        the first block: `steering_pool.location`), located through the family as capture locates values. A value
-        the family cannot write at some block is hooked at none: its reason, by value."""
+        the first block: `steering_pool.location`), located through the family as capture locates values, where the
+        engine ``steers``. A value the family cannot write at some block is hooked at none: its reason, by value."""
         reasons: dict[str, str | None] = {}
         for value, layers in (
             ("attention_output", self.num_layers),
@@ -424,7 +428,7 @@ class Steerer:
                 ),
                 None,
             )
-            if reasons[value] is None:
+            if reasons[value] is None and steers:
                 for name, place in found.items():
                     self._hook(model.get_submodule(place.module), names[name], place)
         return reasons
@@ -440,6 +444,7 @@ class Steerer:
             else:
                 module.register_forward_pre_hook(steer_at_input, with_kwargs=True)
         getattr(module, f"nnterp_steered_{kind}").append((at, place))
+        self.operations += 1
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -576,13 +581,14 @@ class Steerer:
         return bool(marked & rows.topk_rows)
 
     def stats(self) -> dict[str, Any]:
-        """What a test or benchmark reads: eager runs of the operation, the pool's size and writes, and vLLM's
-        compile counters."""
+        """What a test or benchmark reads: eager runs of the operation, the places it runs at, the pool's size and
+        writes, and vLLM's compile counters."""
         from torch._dynamo.utils import counters
         from vllm.compilation.counter import compilation_counter
 
         return {
             "eager_calls": self.buffers.eager_calls,
+            "operations": self.operations,
             "entries": self.buffers.vectors.shape[0] - 1,
             "rows": self.buffers.rows.shape[1] - 1,
             "entry_writes": self.entry_writes,

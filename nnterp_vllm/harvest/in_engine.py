@@ -26,7 +26,13 @@ from .selection import BLOCK_ORDER, MODULE_OUTPUTS, ROOT_VALUES, Selection, Sele
 
 #: What the harvest's engine is built with unless the caller says otherwise: no prefix cache (no prompt is
 #: seen twice), steps of this many tokens (each kept value holds a buffer row of as many).
-ENGINE_DEFAULTS = {"enable_prefix_caching": False, "max_num_batched_tokens": 2048}
+ENGINE_DEFAULTS = {
+    "enable_prefix_caching": False,
+    "max_num_batched_tokens": 2048,
+    # A harvest steers nothing: its engine runs no steering operation.
+    "max_steering_entries": 0,
+    "max_probe_columns": 0,
+}
 #: The setting that makes `run.load_model` build this path's engine.
 CAPTURE_VALUES = "capture_values"
 #: vLLM's setting for running the engine's core in a process of its own (``1``, its default) or in the caller's.
