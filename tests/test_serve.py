@@ -1612,8 +1612,8 @@ def test_the_steering_pools_size_comes_from_the_command_line():
     assert engine_args(parse([path])).additional_config["nnterp_vllm_steering"]["directions_per_block"] == 2
     with pytest.raises(ValueError, match="steering_directions_per_block must be an int >= 1, got 0"):
         engine_args(parse([path, "--steering-directions-per-block", "0"]))
-    with pytest.raises(ValueError, match="max_steering_entries must be an int >= 1, got 0"):
-        engine_args(parse([path, "--max-steering-entries", "0"]))
+    with pytest.raises(ValueError, match="max_steering_entries must be an int >= 0, got -1"):
+        engine_args(parse([path, "--max-steering-entries", "-1"]))
 
 
 def bad_sources(tmp_path: Path) -> list[tuple[list[str], str]]:

@@ -830,7 +830,7 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
         ({"worker_cls": "my.Worker"}, "worker_cls is refused"),
         ({"speculative_config": {"method": "ngram"}}, "speculative decoding is not supported"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
-        ({"max_steering_entries": 0}, "max_steering_entries must be an int >= 1"),
+        ({"max_steering_entries": -1}, "max_steering_entries must be an int >= 0"),
         ({"steering_directions_per_block": 0}, "steering_directions_per_block must be an int >= 1"),
         ({"enable_dbo": True}, r"enable_dbo is refused .*True.* \(dual batch overlap\) is not supported"),
         ({"ubatch_size": 2}, r"ubatch_size is refused .*2.* micro-batching \(ubatch_size > 1\) is not supported"),
