@@ -26,6 +26,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import openai
@@ -54,6 +55,8 @@ from nnterp_vllm import (
     load_steering,
     patch_sweep,
 )
+from nnterp_vllm.serve.intake import RequestField, RequestIntake, record
+from nnterp_vllm.serve.server import PROBES, with_probes
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -488,11 +491,91 @@ def test_probes_and_gated_specs_over_http_equal_the_steered_engines(served):
     for body, param in (
         ({"probes": {"p": {**probe, "weight": [1.0] * 7}}}, "probes.p.weight"),
         ({"probes": {"p": {**probe, "depth": 3}}}, "probes.p.depth"),
-        ({"probes": {"p": probe}, "stream": True}, "stream"),
+        ({"probes": {"p": probe}, "n": 2, "temperature": 1.0}, "n"),
         ({"steering": [{**gated[0], "when": {"probe": probe, "op": "==", "threshold": 0}}]}, "steering[0].when.op"),
     ):
         refused = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **GREEDY, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+def streamed_choices(chunks: list[Any]) -> dict[int, dict[str, Any]]:
+    """Per choice of a stream's chunks: its text, its tokens, and the probes of the chunks that carried any (with
+    the finish reason of each of those chunks)."""
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            found = choices.setdefault(choice.index, {"text": "", "tokens": [], "probes": []})
+            found["text"] += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+            found["tokens"] += getattr(choice, "token_ids", None) or []
+            if getattr(choice, "probes", None) is not None:
+                found["probes"].append((choice.finish_reason, choice.probes))
+    return choices
+
+
+def test_probes_on_streamed_responses_equal_the_whole_responses(served):
+    """A streamed completion or chat completion carries each choice's ``probes`` in the chunk that finishes it, as
+    the whole response carries them (the whole completion's as `SteeredVLLM.generate` reads them), beside the same
+    tokens; a completion of several prompts, each its own choice's."""
+    probe = {"weight": SERVED_PROBE.weight[:, 0].tolist(), "bias": 0.1, "layer": 1}
+    body = {**EXTRA, "probes": {"p": probe}}
+    prompts = [PROMPT, SAME_LENGTH]
+    completions = client(served).completions
+    whole = completions.create(model=MODEL, prompt=prompts, extra_body=body, **GREEDY)
+    streamed = streamed_choices(
+        list(completions.create(model=MODEL, prompt=prompts, stream=True, extra_body=body, **GREEDY))
+    )
+    torch.testing.assert_close(torch.tensor(whole.choices[0].probes["p"]), served.probed)
+    assert sorted(streamed) == [choice.index for choice in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        found = streamed[choice.index]
+        assert (found["text"], found["tokens"]) == (choice.text, choice.token_ids)
+        ((finish_reason, probes),) = found["probes"]
+        assert finish_reason == choice.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(probes["p"]), torch.tensor(choice.probes["p"]))
+    chat = client(served).chat.completions
+    whole = chat.create(model=MODEL, messages=MESSAGES, extra_body=body, **GREEDY)
+    streamed = streamed_choices(
+        list(chat.create(model=MODEL, messages=MESSAGES, stream=True, extra_body=body, **GREEDY))
+    )
+    ((finish_reason, probes),) = streamed[0]["probes"]
+    (choice,) = whole.choices
+    assert (streamed[0]["text"], streamed[0]["tokens"]) == (choice.message.content, choice.token_ids)
+    assert finish_reason == choice.finish_reason == "length"
+    assert len(probes["p"]) == len(whole.prompt_token_ids) + STEPS - 1  # every token fed in
+    torch.testing.assert_close(torch.tensor(probes["p"]), torch.tensor(choice.probes["p"]))
+
+
+def test_a_streamed_choice_carries_the_probes_of_its_own_prompt_whichever_finishes_first():
+    """In a stream over several prompts, each choice's finishing chunk carries its own prompt's probes, also when it
+    finishes first (its prompt the only one recorded yet) and when its event comes in two pieces; other chunks and
+    ``[DONE]`` go out as they came."""
+    # Per chunk: its choice, its finish reason, and the probes its engine request records just before it goes out.
+    chunks = [(0, None, None), (1, "length", ("cmpl-x-1", [1.0])), (0, "length", ("cmpl-x-0", [0.0]))]
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for index, finish_reason, recorded in chunks:
+            if recorded is not None:
+                request_id, scores = recorded
+                record(PROBES, request_id, {"p": scores})
+            chunk = {"choices": [{"index": index, "finish_reason": finish_reason}]}
+            event = f"data: {json.dumps(chunk)}\n\n".encode()
+            for piece in (event[:9], event[9:]):
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    intake = RequestIntake(app, [RequestField(PROBES, ("/v1/completions",), lambda value: value, with_probes)], 2**20)
+
+    async def streamed() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=intake), base_url="http://server") as http:
+            response = await http.post("/v1/completions", json={"prompt": ["a", "b"], "probes": {"p": {}}})
+            return response.text
+
+    *events, done, end = asyncio.run(streamed()).split("\n\n")
+    assert (done, end) == ("data: [DONE]", "")
+    sent = [json.loads(event.removeprefix("data: "))["choices"][0] for event in events]
+    assert [choice.get("probes") for choice in sent] == [None, {"p": [1.0]}, {"p": [0.0]}]
 
 
 def test_a_patch_sweep_over_http_equals_the_steered_engines(served):

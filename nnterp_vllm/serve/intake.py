@@ -13,8 +13,10 @@ front of vLLM's app (`RequestIntake`, a pure ASGI middleware):
 - a field sent to a route that does not serve it, and ``vllm_xargs`` keys reserved for the server, are
   answered 400: nothing is accepted and ignored, nothing unchecked reaches the engine.
 
-A field whose result goes back in the response (``capture``) has a ``respond`` step: the request's JSON
-response is held until its end, handed to it with what the request recorded (`record`), and sent on.
+A field whose result goes back in the response (``capture``, ``probes``) has a ``respond`` step, handed what the
+request recorded (`record`): the request's JSON response is held until its end, handed to it, and sent on; a
+streamed response (server-sent events) goes out as it comes, each chunk that finishes a choice (the one carrying
+its ``finish_reason``) handed to it first.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class RequestField:
 
     ``read(value)`` checks the field's value as sent (it runs on a thread; raises `InvalidField`) and returns
     what the handler needs from it; ``routes`` are the paths that serve it (elsewhere it is refused);
-    ``respond(body, recorded)``, where given, puts what the request recorded into its JSON response ``body``.
+    ``respond(body, recorded)``, where given, puts what the request recorded into its JSON response ``body`` (in a
+    streamed response, into a chunk's finished choices: ``{"choices": [...]}``).
     """
 
     name: str
@@ -241,15 +244,31 @@ class RequestIntake:
 
 
 def _responding(send: Send, request: RequestFields, fields: Sequence[RequestField]) -> Send:
-    """A ``send`` that holds a JSON response until its end, lets each field's ``respond`` add to it, and sends it."""
+    """A ``send`` that lets each field's ``respond`` add to a successful response: a JSON one is held until its end
+    and sent whole; a streamed one (server-sent events) is sent as it comes, each chunk finishing a choice with it
+    (`_finishing`)."""
     held: list[Message] = []
+    streamed = False
+    pending = b""  # a streamed event not yet ended by its blank line
 
     async def sending(message: Message) -> None:
+        nonlocal streamed, pending
         if message["type"] == "http.response.start":
-            headers = Headers(raw=message["headers"])
-            if message["status"] == HTTPStatus.OK and headers.get("content-type", "").startswith("application/json"):
-                held.append(message)
+            if message["status"] == HTTPStatus.OK:
+                content_type = Headers(raw=message["headers"]).get("content-type", "")
+                if content_type.startswith("application/json"):
+                    held.append(message)
+                    return
+                streamed = content_type.startswith("text/event-stream")
+        if streamed and message["type"] == "http.response.body":
+            *events, pending = (pending + message.get("body", b"")).split(b"\n\n")
+            body = b"".join(_finishing(event, request, fields) + b"\n\n" for event in events)
+            if not message.get("more_body", False):
+                body, pending = body + pending, b""
+            elif not body:
                 return
+            await send({**message, "body": body})
+            return
         if not held:
             await send(message)
             return
@@ -266,6 +285,20 @@ def _responding(send: Send, request: RequestFields, fields: Sequence[RequestFiel
         await send({"type": "http.response.body", "body": encoded, "more_body": False})
 
     return sending
+
+
+def _finishing(event: bytes, request: RequestFields, fields: Sequence[RequestField]) -> bytes:
+    """A streamed event (``data: <chunk as JSON>``) as it goes out: where its chunk finishes choices (their
+    ``finish_reason`` set), with each field's ``respond`` given them and what the request recorded."""
+    if not event.startswith(b"data: {"):
+        return event
+    chunk = json.loads(event.removeprefix(b"data: "))
+    finished = [choice for choice in chunk.get("choices") or () if choice.get("finish_reason") is not None]
+    if not finished:
+        return event
+    for field in fields:
+        field.respond({"choices": finished}, request.recorded.get(field.name, {}))
+    return b"data: " + json.dumps(chunk).encode()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -132,13 +132,17 @@ def encoded(activations: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def with_activations(body: dict[str, Any], recorded: dict[str, Any], key: str = "activations") -> None:
     """Put each request's kept rows (or what else it recorded, under ``key``) into its choice of a response
-    ``body`` (a prompt ``i`` of a request runs as engine request ``<id>-<i>``)."""
+    ``body``: with several recorded, prompt ``i``'s (run as engine request ``<id>-<i>``) into choice ``i``; a lone
+    one into the body's first choice (a whole response's only one, or a streamed chunk's choice it finishes)."""
     choices = body.get("choices") or []
+    if len(recorded) == 1 and choices:
+        (choices[0][key],) = recorded.values()
+        return
     for request_id, found in recorded.items():
-        index = int(match.group(1)) if len(recorded) > 1 and (match := re.search(r"-(\d+)$", request_id)) else 0
-        for choice in choices:
-            if choice.get("index", 0) == index:
-                choice[key] = found
+        if match := re.search(r"-(\d+)$", request_id):
+            for choice in choices:
+                if choice.get("index", 0) == int(match.group(1)):
+                    choice[key] = found
 
 
 def with_probes(body: dict[str, Any], recorded: dict[str, Any]) -> None:
@@ -179,10 +183,8 @@ class SteeringHandler:
         return rendered
 
     def _check_probes(self, request: Any, probes: dict[str, Any], engine_inputs: Sequence[dict]) -> None:
-        """Refuse probes the response cannot carry (streamed, several completions) or this engine cannot read (a
-        layer it lacks, positions outside a prompt, more columns than it reads)."""
-        if getattr(request, "stream", False):
-            raise InvalidField("probes are not served on streamed responses: send stream=false", "stream")
+        """Refuse probes the response cannot carry (several completions) or this engine cannot read (a layer it
+        lacks, positions outside a prompt, more columns than it reads)."""
         if getattr(request, "n", 1) != 1:
             raise InvalidField(f"probes read one completion: send n=1, not n={request.n}", "n")
         for engine_input in engine_inputs:
