@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from nnsight.intervention.interleaver import Mediator
 
 from . import arguments, families
 from .arguments import LayerSelection, Positions
@@ -32,6 +33,11 @@ SAEs = SAE | str | os.PathLike | Sequence[SAE | str | os.PathLike] | None
 
 #: Family modules by name, for families handed in as module objects that no import can find.
 _FAMILIES: dict[str, Any] = {}
+#: What ``when=`` takes: ``(Probe, op, threshold)`` or ``(sae, feature, op, threshold)`` (`steering.probes.gate`).
+Gate = tuple[Any, ...]
+#: Each invoke's block outputs before the steering edits at them, by the invoke's worker: block index -> (visit,
+#: stream), the stream the first edit (or gate read) at the block's latest visit found (`_unsteered`).
+_UNSTEERED: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 class Size:
@@ -407,15 +413,18 @@ class Standardized:
         batch_index: int | Iterable[int] | None = None,
         *,
         steering_vector: torch.Tensor | None = None,
+        when: Gate | None = None,
     ) -> None:
         """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions`` (all by default).
 
         ``vector`` is ``[hidden_size]``, or ``[n, hidden_size]`` with one row per selected position.
         ``batch_index`` steers only those rows of the invoke's batch (all by default; on vLLM an invoke
         holds one prompt). nnterp's spellings name the same arguments: ``steering_vector=`` is ``vector``,
-        ``token_positions=`` is ``positions``. Call inside a trace or generate, before the first steered
-        layer runs. The arguments are checked before anything is read from the model; positions and
-        batch rows against the invoke's prompt.
+        ``token_positions=`` is ``positions``. ``when``: a gate, as `nnterp_vllm.Steering` takes it
+        (``(Probe, op, threshold)`` or ``(sae, feature, op, threshold)``, read at a block at or before the first
+        of ``layers``): only the tokens whose read passes are steered. Call inside a trace or generate, before the
+        first steered layer (and the gate's block) runs. The arguments are checked before anything is read from
+        the model; positions and batch rows against the invoke's prompt.
         """
         require_trace("steer")
         vector = _one_spelling("steer", ("vector", vector), ("steering_vector", steering_vector), required=True)
@@ -432,8 +441,7 @@ class Standardized:
                 )
             return selected + factor * vector.to(device=selected.device, dtype=selected.dtype)
 
-        targets = [(self.layers[index], type(self.layers[index]).layer_output) for index in indices]
-        self._edit_stream("steer", targets, chosen, batch_index, add)
+        self._edit_stream("steer", self._block_outputs(indices), chosen, batch_index, add, when)
 
     def cap(
         self,
@@ -443,15 +451,18 @@ class Standardized:
         max: float | None = None,
         positions: Positions = None,
         batch_index: int | Iterable[int] | None = None,
+        *,
+        when: Gate | None = None,
     ) -> None:
         """Clamp the residual stream's projection on the direction ``vector`` (``[hidden_size]``, normalised here)
         to ``[min, max]`` where it leaves ``layers``, at ``positions`` (all by default) and ``batch_index`` rows (as
-        `steer` takes them): the stream ``h`` becomes ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound
-        may be left out, not both. What `nnterp_vllm.Cap` does inside the steered engine. Call inside a trace."""
+        `steer` takes them), on the tokens whose gate ``when`` passes (all without one; as `steer` takes it): the
+        stream ``h`` becomes ``h + (clamp(h . u, min, max) - h . u) * u``. Either bound may be left out, not both.
+        What `nnterp_vllm.Cap` does inside the steered engine. Call inside a trace."""
         from .steering.specs import Cap
 
         require_trace("cap")
-        self._apply_direction(Cap(vector, layers, min, max), positions, batch_index)
+        self._apply_direction(Cap(vector, layers, min, max, when=when), positions, batch_index)
 
     def ablate(
         self,
@@ -459,18 +470,21 @@ class Standardized:
         vector: torch.Tensor,
         positions: Positions = None,
         batch_index: int | Iterable[int] | None = None,
+        *,
+        when: Gate | None = None,
     ) -> None:
         """Remove the direction ``vector`` (``[hidden_size]``, normalised here) from the residual stream, at
         ``positions`` (all by default) and ``batch_index`` rows (as `steer` takes them): the stream ``h`` becomes
         ``h - (h . u) * u``. ``layers="all"``: at every residual-stream location (the stream entering the first
         block, what each block's attention and MLP add), so the stream never carries it (`nnterp_vllm.Ablate`
-        says which locations and why); else the stream leaving those blocks. What `nnterp_vllm.Ablate` does inside
-        the steered engine. Call inside a trace, before the first block it edits runs (with ``"all"``, after every
-        other edit of the invoke: it edits every block)."""
+        says which locations and why); else the stream leaving those blocks. ``when``: a gate, as `steer` takes it
+        (with block indices only): only the tokens whose read passes lose the direction. What `nnterp_vllm.Ablate`
+        does inside the steered engine. Call inside a trace, before the first block it edits runs (with ``"all"``,
+        after every other edit of the invoke: it edits every block)."""
         from .steering.specs import Ablate
 
         require_trace("ablate")
-        self._apply_direction(Ablate(vector, layers), positions, batch_index)
+        self._apply_direction(Ablate(vector, layers, when=when), positions, batch_index)
 
     def clamp(
         self,
@@ -480,18 +494,21 @@ class Standardized:
         scale: float | None = None,
         positions: Positions = None,
         batch_index: int | Iterable[int] | None = None,
+        *,
+        when: Gate | None = None,
     ) -> None:
         """Set feature ``feature`` of the SAE ``sae`` to ``value`` (or multiply it by ``scale``; give exactly one)
         where the stream it reads leaves its block, at ``positions`` (all by default) and ``batch_index`` rows (as
         `steer` takes them): the stream ``h`` becomes ``h + (target - a) * d``, ``a`` the feature's activation by
         the SAE's own encoder (``sae.encode(h)[..., feature]``, as SAELens computes it), ``d`` its decoder row
         (``sae.decoder_rows()[feature]``) and ``target`` ``value`` or ``scale * a``. ``sae`` is the name of an SAE
-        the model holds (``saes=[...]``), a loaded `SAE` or a SAELens SAE directory. What `nnterp_vllm.Clamp` does
-        inside the steered engine. Call inside a trace, before the SAE's block runs."""
+        the model holds (``saes=[...]``), a loaded `SAE` or a SAELens SAE directory. ``when``: a gate, as `steer`
+        takes it: only the tokens whose read passes are clamped. What `nnterp_vllm.Clamp` does inside the steered
+        engine. Call inside a trace, before the SAE's block runs."""
         from .steering.specs import Clamp, feature_change
 
         require_trace("clamp")
-        spec = Clamp(self._sae_named(sae), feature, value, scale)
+        spec = Clamp(self._sae_named(sae), feature, value, scale, when=when)
         sae = spec.sae
         if sae.layer >= self.num_layers or sae.d_in != self.hidden_size:
             raise ValueError(
@@ -507,8 +524,7 @@ class Standardized:
             active = on.encode(selected)[..., spec.feature]
             return selected + feature_change(selected, row, row, low, high, scale=factor, pre=active)
 
-        block = self.layers[sae.layer]
-        self._edit_stream("clamp", [(block, type(block).layer_output)], positions, batch_index, clamped)
+        self._edit_stream("clamp", self._block_outputs([sae.layer]), positions, batch_index, clamped, spec.when)
 
     def patch(
         self,
@@ -529,7 +545,11 @@ class Standardized:
         spec = Patch(vectors, layers, positions, value)
         indices = arguments.layer_indices(spec.layers, self.num_layers, "patch")
         rows = arguments.hidden_vector(spec.rows(), self.hidden_size, "patch")
-        targets = [writable_value(self, f"layers.{index}.{spec.value}", "patch") for index in indices]
+        stream = spec.value == "layer_output"
+        targets = [
+            (*writable_value(self, f"layers.{index}.{spec.value}", "patch"), index if stream else None)
+            for index in indices
+        ]
 
         def set_rows(selected: torch.Tensor) -> torch.Tensor:
             return rows.to(device=selected.device, dtype=selected.dtype).expand_as(selected)
@@ -554,42 +574,64 @@ class Standardized:
         what = spec.what.lower()
         if spec.layers == EVERYWHERE:
             names = [name.replace("*", str(i)) for i in range(self.num_layers) for name in EVERYWHERE_VALUES]
-            targets = [writable_value(self, name, f"{what}(layers='all')") for name in dict.fromkeys(names)]
+            targets = [(*writable_value(self, name, f"{what}(layers='all')"), None) for name in dict.fromkeys(names)]
         else:
-            indices = arguments.layer_indices(spec.layers, self.num_layers, what)
-            targets = [(self.layers[index], type(self.layers[index]).layer_output) for index in indices]
+            targets = self._block_outputs(arguments.layer_indices(spec.layers, self.num_layers, what))
         direction = arguments.hidden_vector(spec.vector, self.hidden_size, what, rows=False)
 
         def clamp(selected: torch.Tensor) -> torch.Tensor:
             unit = direction.to(device=selected.device)
             return selected + projection_change(selected, unit, spec.min, spec.max)
 
-        self._edit_stream(what, targets, positions, batch_index, clamp)
+        self._edit_stream(what, targets, positions, batch_index, clamp, spec.when)
+
+    def _block_outputs(self, indices: Iterable[int]) -> list[tuple[Any, Value, int]]:
+        """The ``layer_output`` of the blocks ``indices`` as `_edit_stream` targets."""
+        return [(self.layers[index], type(self.layers[index]).layer_output, index) for index in indices]
 
     def _edit_stream(
         self,
         what: str,
-        targets: list[tuple[Any, Value]],
+        targets: list[tuple[Any, Value, int | None]],
         positions: Positions,
         batch_index: Any,
         edit: Callable[[torch.Tensor], torch.Tensor],
+        when: Gate | None = None,
     ) -> None:
-        """Replace each ``(host, value)`` of ``targets`` (in forward order), at ``positions`` of the
-        ``batch_index`` rows, by ``edit`` of it (``[rows, positions, hidden]`` in, the same out); arguments
-        checked first."""
+        """Replace each ``(host, value, block)`` of ``targets`` (in forward order; ``block`` the index of the block
+        whose output the value is, else ``None``), at ``positions`` of the ``batch_index`` rows, by ``edit`` of it
+        (``[rows, positions, hidden]`` in, the same out), only on the tokens whose gate ``when`` passes where one
+        is given: read at its block's output before the steering there (`_unsteered`), as the steered engine reads
+        it. Arguments checked first."""
+        from .steering.probes import gate_passes
+        from .steering.specs import gate_before
+
         where = arguments.positions(_listed(positions), what)
         batch = arguments.batch_rows(_listed(batch_index), what)
+        blocks = [block for *_, block in targets]
+        gate = None if when is None else gate_before(when, blocks, self.num_layers, self.hidden_size, what)
+        passed: list[torch.Tensor] = []  # the gate's verdict per token, once read
 
-        def replaced(stream: torch.Tensor) -> torch.Tensor:
+        def replaced(stream: torch.Tensor, host: Any, value: Value, block: int | None) -> torch.Tensor:
             selected = arguments.positions_within(where, stream.shape[1], what)
             rows = arguments.batch_rows_within(batch, stream.shape[0], what)
+            before = stream if block is None else _unsteered(host, value, block, stream)
+            if gate is not None and block == gate["layer"]:
+                passed.append(gate_passes(gate, before))
             stream = stream.clone()
             at = (torch.tensor(rows)[:, None], torch.tensor(selected))
-            stream[at] = edit(stream[at])
+            changed = edit(stream[at])
+            if gate is not None:
+                changed = torch.where(passed[-1].to(stream.device)[at][..., None], changed, stream[at])
+            stream[at] = changed
             return stream
 
-        for host, value in targets:
-            value.update(host, replaced)
+        if gate is not None and gate["layer"] not in blocks:
+            host = self.layers[gate["layer"]]
+            value = type(host).layer_output
+            passed.append(gate_passes(gate, _unsteered(host, value, gate["layer"], value.peek(host))))
+        for host, value, block in targets:
+            value.update(host, partial(replaced, host=host, value=value, block=block))
 
     def skip_layers(
         self,
@@ -687,6 +729,18 @@ class Standardized:
                 per_layer.append(torch.softmax(self.project_on_vocab(stream[:, at]).float(), dim=-1))
             probabilities = torch.stack(per_layer, dim=1).save()
         return probabilities
+
+
+def _unsteered(host: Any, value: Value, block: int, stream: torch.Tensor) -> torch.Tensor:
+    """Block ``block``'s output before any steering edit at it, at this visit of the invoke's worker: the stream the
+    first edit (or gate read) there found, recorded now if none did (``stream``: the output as the trace holds it
+    now, ``value`` on ``host``)."""
+    mediator = Mediator.current(f"{host.path}.{value.name}")
+    visit = mediator.occurrence(value.locate(host)[0])
+    held = _UNSTEERED.setdefault(mediator, {})
+    if block not in held or held[block][0] != visit:
+        held[block] = (visit, stream)
+    return held[block][1]
 
 
 def _one_spelling(what: str, ours: tuple[str, Any], nnterps: tuple[str, Any], required: bool = False) -> Any:

@@ -6,7 +6,8 @@
 - `patch_sweep` on the steered engine (every cell one request of one batch, its metric read in the worker) and on
   transformers equals a TransformerLens-style loop of hooked forwards, one per cell.
 - `Probe`s read per token in the engine equal ``h @ w + b``; steering gated by a probe (``when=``) acts only on the
-  tokens whose read passes, as a hook gating the same addition does.
+  tokens whose read passes, as a hook gating the same addition does: in the engine, and in a trace on either engine
+  (``model.steer(..., when=...)``).
 - Bad patches, sweeps, probes and gates are refused before any work, naming what is wrong.
 """
 
@@ -104,21 +105,53 @@ def experiment_patch(model, prompt: str, rows: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def test_model_patch_in_a_trace_sets_the_same_rows_on_both_engines_as_a_hook(path):
-    """The trace path, written once and run on each engine (this module's first test: the vLLM engine it builds is
-    shut down before the steered engine of the others starts)."""
+def experiment_gated(model, prompt: str, vector: torch.Tensor, probe: Probe, threshold: float):
+    """What a researcher writes: block 2's output steered only on the tokens whose probe reads above the threshold,
+    then that output and the logits."""
+    with model.trace(prompt):
+        model.steer(layers=2, vector=vector, when=(probe, ">", threshold))
+        stream = model.layers[2].layer_output.save()
+        logits = model.logits.save()
+    return stream, logits
+
+
+#: The blocks the gates of the gated experiments read: before the steered block 2, and block 2 itself.
+GATE_LAYERS = (0, 2)
+
+
+@pytest.fixture(scope="module")
+def traced(path):
+    """The trace path's experiments, each written once and run on each engine: ``{engine: {experiment: result}}``.
+    Its tests come first in the module: the vLLM engine it builds is shut down before the steered engine of the
+    others starts."""
     from nnterp_vllm import StandardizedVLLM
 
     hf = StandardizedTransformer(path)
-    ids = hf.tokenizer(reference.PROMPT, return_tensors="pt")["input_ids"]
+    ids = hf.tokenizer(reference.PROMPT)["input_ids"]
     patched = rows(2, hf.hidden_size, 4)
+    gates = {layer: half_open_gate(path, ids, layer) for layer in GATE_LAYERS}
     on_vllm = StandardizedVLLM(path, dtype="float32", dispatch=True, max_model_len=256)
-    engines = {"transformers": hf, "vllm": on_vllm}
     try:
-        logits = {name: experiment_patch(model, reference.PROMPT, patched) for name, model in engines.items()}
+        return {
+            name: {
+                "patch": experiment_patch(model, reference.PROMPT, patched),
+                **{
+                    f"gated at {layer}": experiment_gated(model, reference.PROMPT, *gate)
+                    for layer, gate in gates.items()
+                },
+            }
+            for name, model in {"transformers": hf, "vllm": on_vllm}.items()
+        }
     finally:
         on_vllm.shutdown()
+
+
+def test_model_patch_in_a_trace_sets_the_same_rows_on_both_engines_as_a_hook(path, traced):
+    """The trace path, written once and run on each engine."""
     plain = reference.load(path)
+    ids = plain_ids(reference.PROMPT)
+    patched = rows(2, plain.config.hidden_size, 4)
+    logits = {name: results["patch"] for name, results in traced.items()}
 
     def hook(module, args, out):
         out = out.clone()
@@ -133,6 +166,57 @@ def test_model_patch_in_a_trace_sets_the_same_rows_on_both_engines_as_a_hook(pat
         handle.remove()
     torch.testing.assert_close(logits["transformers"], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits["vllm"][0, -1], expected[0, -1], atol=1e-4, rtol=1e-4)  # vLLM: the last
+
+
+@pytest.mark.parametrize("probe_layer", GATE_LAYERS)
+def test_gated_steering_in_a_trace_equals_the_hook_and_the_engine_on_both_engines(path, traced, steered, probe_layer):
+    """``model.steer(..., when=(probe, ">", t))`` in a trace, on each engine, equals a hook adding the vector only where
+    the probe (read at its block's output before the steering there) passes, and the compiled engine's gated
+    `Steering`: its first token and that token's logprob."""
+    ids = plain_ids(reference.PROMPT)[0].tolist()
+    vector, probe, threshold = half_open_gate(path, ids, probe_layer)
+    expected_stream, expected = hooked_gated_forward(path, ids, vector, probe, threshold, 2)
+    hf_stream, hf_logits = traced["transformers"][f"gated at {probe_layer}"]
+    vllm_stream, vllm_logits = traced["vllm"][f"gated at {probe_layer}"]
+    torch.testing.assert_close(hf_stream, expected_stream, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf_logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vllm_stream, expected_stream, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vllm_logits[0, -1], expected[0, -1], atol=1e-4, rtol=1e-4)  # vLLM: the last
+    gated = Steering(2, vector, when=(probe, ">", threshold))
+    (output,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [gated])
+    tokens, logprobs = tokens_and_logprobs(output)
+    logprob = expected[0, -1].log_softmax(-1)
+    assert tokens[0] == int(logprob.argmax())
+    assert float(logprobs[0]) == pytest.approx(float(logprob[tokens[0]]), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "steer, message",
+    [
+        (
+            lambda model, n: model.steer(0, torch.ones(n), when=(Probe(torch.ones(n), layer=2), ">", 0.0)),
+            r"steer: when reads block 2's output, after blocks \[0\] the spec acts on",
+        ),
+        (
+            lambda model, n: model.cap([1, 2], torch.ones(n), max=1.0, when=(Probe(torch.ones(n), layer=2), ">", 0)),
+            r"cap: when reads block 2's output, after blocks \[1\]",
+        ),
+        (lambda model, n: model.steer(1, torch.ones(n), when=(Probe(torch.ones(7)), ">", 0.0)), "weight is 7 wide"),
+        (lambda model, n: model.ablate(1, torch.ones(n), when=(Probe(torch.ones(n)), "==", 0)), "op one of"),
+        (lambda model, n: model.ablate("all", torch.ones(n), when=(Probe(torch.ones(n)), ">", 0)), "before any block"),
+    ],
+)
+def test_bad_gates_in_a_trace_are_refused_before_any_edit(path, steer, message):
+    model = StandardizedTransformer(path)
+    with model.trace(reference.PROMPT):
+        plain = model.logits.save()
+    with pytest.raises(ValueError, match=message):
+        with model.trace(reference.PROMPT):
+            steer(model, model.hidden_size)
+            model.logits.save()
+    with model.trace(reference.PROMPT):
+        after = model.logits.save()
+    torch.testing.assert_close(after, plain, atol=0, rtol=0)  # nothing was left behind
 
 
 @pytest.mark.parametrize("value", ["layer_output", "attention_output", "mlp_output"])
@@ -334,10 +418,31 @@ def test_probes_read_each_token_as_h_at_w_plus_b(path, steered):
     assert output.outputs[0].probes is output.probes
 
 
-def hooked_gated_generation(path, ids: list[int], vector: torch.Tensor, probe: Probe, threshold: float, layer: int):
-    """Greedy tokens and logprobs of transformers' own model adding ``vector`` at block ``layer``'s output only on
-    the tokens whose ``probe`` (read at its block's output, before anything is added there) exceeds ``threshold``."""
-    model = reference.load(path)
+def plain_ids(prompt: str) -> torch.Tensor:
+    """``prompt``'s token ids, ``[1, tokens]``."""
+    return tiny.tokenizer()(prompt, return_tensors="pt")["input_ids"]
+
+
+def half_open_gate(path, ids: list[int], probe_layer: int) -> tuple[torch.Tensor, Probe, float]:
+    """A vector, a probe reading block ``probe_layer`` and a threshold halfway between its two middle reads on
+    ``ids``: about half the prompt passes, and no token's read sits on the threshold, where engines rounding
+    differently could decide it apart."""
+    generator = torch.Generator().manual_seed(12)
+    hidden = tiny.config_kwargs("llama")["hidden_size"]
+    vector = torch.randn(hidden, generator=generator) * 2
+    probe = Probe(torch.randn(hidden, generator=generator), layer=probe_layer)
+    streams = hooked_streams(path, ids, [probe_layer])
+    reads = (streams[probe_layer] @ probe.weight[:, 0]).sort().values
+    middle = len(reads) // 2
+    return vector, probe, float(reads[middle - 1 : middle + 1].mean())
+
+
+def gated_addition_hooks(
+    model, vector: torch.Tensor, probe: Probe, threshold: float, layer: int
+) -> tuple[list, dict[str, torch.Tensor]]:
+    """Forward hooks on transformers' own ``model`` adding ``vector`` at block ``layer``'s output only on the tokens
+    whose ``probe`` (read at its block's output, before anything is added there) exceeds ``threshold``: the handles,
+    and what they saw (``"stream"``: block ``layer``'s output as steered, at the last forward)."""
     blocks = reference.blocks(model)
     gate = {}
 
@@ -348,23 +453,39 @@ def hooked_gated_generation(path, ids: list[int], vector: torch.Tensor, probe: P
     def add(module, args, out):
         stream = (out[0] if isinstance(out, tuple) else out).clone()
         stream[0, gate["open"]] += vector
+        gate["stream"] = stream
         return (stream, *out[1:]) if isinstance(out, tuple) else stream
 
-    handles = [blocks[probe.layer].register_forward_hook(read), blocks[layer].register_forward_hook(add)]
+    return [blocks[probe.layer].register_forward_hook(read), blocks[layer].register_forward_hook(add)], gate
+
+
+def hooked_gated_generation(path, ids: list[int], vector: torch.Tensor, probe: Probe, threshold: float, layer: int):
+    """Greedy tokens and logprobs of transformers' own model with `gated_addition_hooks`."""
+    model = reference.load(path)
+    handles, _ = gated_addition_hooks(model, vector, probe, threshold, layer)
     return reference.greedy_with_hooks(model, ids, handles, STEPS)
+
+
+def hooked_gated_forward(path, ids: list[int], vector: torch.Tensor, probe: Probe, threshold: float, layer: int):
+    """Block ``layer``'s output and the logits of one forward of transformers' own model over ``ids`` with
+    `gated_addition_hooks`."""
+    model = reference.load(path)
+    handles, seen = gated_addition_hooks(model, vector, probe, threshold, layer)
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen["stream"], logits
 
 
 @pytest.mark.parametrize("probe_layer", [0, 2])
 def test_steering_gated_by_a_probe_acts_only_where_it_fires(path, steered, probe_layer):
     """`Steering(..., when=(probe, ">", t))` equals a hook adding the vector only where the probe, read at a block
     at or before the spec's, passes; the ungated spec moves every token."""
-    hidden = steered.hidden_size
-    generator = torch.Generator().manual_seed(12)
-    vector = torch.randn(hidden, generator=generator) * 2
-    probe = Probe(torch.randn(hidden, generator=generator), layer=probe_layer)
     ids = steered.get_tokenizer()(reference.PROMPT)["input_ids"]
-    streams = hooked_streams(path, ids, [probe_layer])
-    threshold = float((streams[probe_layer] @ probe.weight[:, 0]).median())  # about half the prompt passes
+    vector, probe, threshold = half_open_gate(path, ids, probe_layer)
     gated = Steering(2, vector, when=(probe, ">", threshold))
     (output,) = steered.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), [gated])
     tokens, logprobs = tokens_and_logprobs(output)

@@ -273,6 +273,13 @@ class Value(eproperty):
             mediator.transform = WriteBack(restore, value, self, location, occurrence)
         return value
 
+    def peek(self, host: Envoy) -> Any:
+        """The value on ``host`` inside a trace, read once with nothing written back into the model (a read the
+        library makes for its own use, such as a gate's; a value whose `read` computes it is not peeked)."""
+        self.check(host)
+        location, attribute = self.locate(host)
+        return self.serve(host, self.pick(attribute, Mediator.value(location), self.selection(host)))
+
     def update(self, host: Envoy, edit: Callable[[Any], Any]) -> None:
         """Replace the value with ``edit(value)`` in one read and one write (no write-back of the read copy)."""
         self.check(host)

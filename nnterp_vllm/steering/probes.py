@@ -225,6 +225,24 @@ def gate(when: Any, num_layers: int, hidden_size: int, what: str) -> dict[str, A
     }
 
 
+#: Each of `OPERATORS` as a comparison of tensors, in its order.
+COMPARISONS = (torch.gt, torch.ge, torch.lt, torch.le)
+
+
+def gate_passes(read: dict[str, Any], stream: torch.Tensor) -> torch.Tensor:
+    """Which tokens of ``stream`` (``[..., hidden]``, the stream leaving the gate's block before the steering there)
+    pass a gate in engine form (`gate`): its read ``stream @ weight + bias`` (the product in the stream's dtype,
+    then float32), through a sigmoid where asked and zero up to its floor, compared with its threshold; a bool
+    tensor of the stream's leading shape, as the steered engine computes it per token."""
+    weight = torch.tensor(read["weight"], dtype=stream.dtype, device=stream.device)
+    score = (stream @ weight).float() + read["bias"]
+    if read["sigmoid"]:
+        score = score.sigmoid()
+    if read["floor"] is not None:
+        score = torch.where(score > read["floor"], score, torch.zeros_like(score))
+    return COMPARISONS[read["op"]](score, read["threshold"])
+
+
 def activated(scores: torch.Tensor, activation: str | None) -> torch.Tensor:
     """A probe's scores (``[tokens, classes]``) after its activation."""
     if activation == "sigmoid":
@@ -234,4 +252,4 @@ def activated(scores: torch.Tensor, activation: str | None) -> torch.Tensor:
     return scores
 
 
-__all__ = ["Probe", "activated", "gate", "per_prompt", "probes_of"]
+__all__ = ["Probe", "activated", "gate", "gate_passes", "per_prompt", "probes_of"]

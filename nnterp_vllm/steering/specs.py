@@ -463,16 +463,23 @@ def _resolved(
     }
     when = getattr(spec, "when", None)
     if when is not None:
-        from .probes import gate
-
-        resolved["when"] = gate(when, num_layers, hidden_size, what)
-        later = [layer for layer in layers if layer < resolved["when"]["layer"]]
-        if later:
-            raise ValueError(
-                f"{what}: when reads block {resolved['when']['layer']}'s output, after blocks {later} the spec acts "
-                "on: a gate is read at a block at or before the spec's"
-            )
+        resolved["when"] = gate_before(when, layers, num_layers, hidden_size, what)
     return resolved
+
+
+def gate_before(when: Any, layers: Sequence[int], num_layers: int, hidden_size: int, what: str) -> dict[str, Any]:
+    """A spec's ``when`` in engine form (`probes.gate`) for a spec acting at the blocks ``layers`` (indices); a gate
+    reading a block after any of them is refused with a ``ValueError`` naming both."""
+    from .probes import gate
+
+    read = gate(when, num_layers, hidden_size, what)
+    later = [layer for layer in layers if layer < read["layer"]]
+    if later:
+        raise ValueError(
+            f"{what}: when reads block {read['layer']}'s output, after blocks {later} the spec acts on: a gate is "
+            "read at a block at or before the spec's"
+        )
+    return read
 
 
 def specs_of(steering: Any, where: str = "steering") -> list[Steering | Cap]:
@@ -718,6 +725,7 @@ __all__ = [
     "TokenSets",
     "decode_only",
     "feature_change",
+    "gate_before",
     "kind_fields",
     "projection_change",
     "per_prompt",
