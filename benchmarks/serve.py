@@ -13,7 +13,11 @@ other, each saving every block's last-token residual stream, with nnsight's clie
 on ``nnterp-vllm serve --traces --api-key`` against the same traces sent one at a time, and against
 nnsight-serve (nnsight's own server and handler, no authentication, on nnsight's ``VLLM`` as this project runs
 it on vLLM's CPU build) hosting the same model; then the OpenAI routes' tokens/s on our server with trace
-clients running against with none.
+clients running against with none: clients built and sent by nnsight's client in this process (building a trace
+takes CPU time this machine's two cores share with the server), and the same trace's bytes, built once, posted by
+each client (the load of clients on machines of their own). ``NNTERP_VLLM_TRACE_STEPS=mixed`` in the environment
+has the server's scheduler mix requests running trace code and requests running none in one step (eager for
+both) instead of keeping them apart.
 
     python benchmarks/serve.py [--concurrency 1 16 64] [--tokens 32] [--requests-per-level 2]
     python benchmarks/serve.py --traces [--clients 16] [--traces-per-client 4]
@@ -40,8 +44,10 @@ from pathlib import Path
 import httpx
 import torch
 from engines import prompts
+from nnsight.modeling.vllm.serve import http
 
 from nnterp_vllm.checkpoints import smollm2
+from nnterp_vllm.engines.remote import TRACE_PATH
 
 LAYER, FACTOR = 10, 2.0
 ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(512 * 2**20)]
@@ -54,6 +60,11 @@ SERVERS = {
     "nnterp-vllm serve, every request steered": [str(BIN / "nnterp-vllm"), "serve"],
 }
 TRACES, NNSIGHT_SERVE = "nnterp-vllm serve --traces", "nnsight-serve"
+OPENAI_ALONE = "OpenAI tokens/s, no traces"
+#: Trace clients built by nnsight's client in this process (building a trace takes a core of this 2-core machine).
+OPENAI_BESIDE = "OpenAI tokens/s, traces built and sent"
+#: The same traces' bytes posted as nnsight's client posts them, built once: the load of clients on other machines.
+OPENAI_BESIDE_POSTED = "OpenAI tokens/s, trace bodies posted"
 KEY = "benchmark-key"
 #: nnsight-serve: nnsight's app and handler (``nnsight.modeling.vllm.serve``) on nnsight's ``VLLM``, built as
 #: its ``nnsight-serve`` command builds it, with the CPU build's worker (`PlatformVLLM`) it needs here.
@@ -211,14 +222,36 @@ def openai_tokens_per_second(url: str, texts: list[str], tokens: int, concurrenc
     return level.tokens / level.wall
 
 
-def openai_beside_traces(url: str, send: Callable[[str], torch.Tensor], texts: list[str], args: argparse.Namespace):
-    """The OpenAI routes' tokens/s on ``url`` alone, then with ``args.clients`` threads sending traces throughout."""
-    alone = openai_tokens_per_second(url, texts, args.tokens, args.clients)
+def cpu_seconds(server: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds the server's processes have taken so far: its API server (the process started) and the rest
+    (vLLM's engine core)."""
+    import psutil
+
+    main = psutil.Process(server.pid)
+    rest = 0.0
+    for child in main.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        rest += times.user + times.system
+    times = main.cpu_times()
+    return {"API server": times.user + times.system, "engine core": rest}
+
+
+def spent(server: subprocess.Popen, before: dict[str, float], started: float) -> dict[str, float]:
+    """CPU seconds per second each of the server's processes took since ``before`` (at ``started``)."""
+    wall = time.perf_counter() - started
+    return {name: (seconds - before[name]) / wall for name, seconds in cpu_seconds(server).items()}
+
+
+def openai_beside_traces(url: str, send: Callable[[], object], texts: list[str], args: argparse.Namespace) -> float:
+    """The OpenAI routes' tokens/s on ``url`` with ``args.clients`` threads calling ``send`` (a trace) throughout."""
     done = threading.Event()
 
     def keep_sending() -> None:
         while not done.is_set():
-            send(texts[0])
+            send()
 
     senders = [threading.Thread(target=keep_sending) for _ in range(args.clients)]
     for thread in senders:
@@ -227,7 +260,25 @@ def openai_beside_traces(url: str, send: Callable[[str], torch.Tensor], texts: l
     done.set()
     for thread in senders:
         thread.join()
-    return alone, beside
+    return beside
+
+
+def sent_body(model: object, prompt: str, url: str) -> bytes:
+    """The bytes nnsight's client posts for `standardized_trace` of ``prompt`` (sent once, as it sends them)."""
+    from nnterp_vllm.engines.vllm import ServedTrace
+
+    sent, post = [], ServedTrace._send
+
+    def recorded(self: ServedTrace, blob: bytes) -> list:
+        sent.append(blob)
+        return post(self, blob)
+
+    ServedTrace._send = recorded
+    try:
+        standardized_trace(model, prompt, url)
+    finally:
+        ServedTrace._send = post
+    return sent[0]
 
 
 def measure_traces(args: argparse.Namespace) -> None:
@@ -239,6 +290,7 @@ def measure_traces(args: argparse.Namespace) -> None:
     engine = {key: int(value) if value.isdigit() else value for key, value in engine.items()}
     clients = f"{args.clients} clients"
     figures: dict[str, float] = {}
+    shares: dict[str, dict[str, float]] = {}
     kept: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as logs:
         script = Path(logs) / "nnsight_serve.py"
@@ -262,8 +314,23 @@ def measure_traces(args: argparse.Namespace) -> None:
                 print(f"  {name}: {figures[f'{name}, {clients}']:.2f} traces/s", file=sys.stderr)
                 if name == TRACES:
                     figures[f"{name}, one at a time"] = traces_per_second(send, texts[: args.clients], 1)
-                    alone, beside = openai_beside_traces(url, send, texts[: args.clients], args)
-                    figures["OpenAI tokens/s, no traces"], figures["OpenAI tokens/s, traces running"] = alone, beside
+                    openai_texts = texts[: args.clients]
+                    before, started = cpu_seconds(process), time.perf_counter()
+                    figures[OPENAI_ALONE] = openai_tokens_per_second(url, openai_texts, args.tokens, args.clients)
+                    shares[OPENAI_ALONE] = spent(process, before, started)
+                    before, started = cpu_seconds(process), time.perf_counter()
+                    figures[OPENAI_BESIDE] = openai_beside_traces(
+                        url, lambda send=send: send(texts[0]), openai_texts, args
+                    )
+                    shares[OPENAI_BESIDE] = spent(process, before, started)
+                    blob, headers = sent_body(client, texts[0], url), http.headers(KEY)
+
+                    def post(blob: bytes = blob, headers: dict = headers, url: str = url) -> None:
+                        httpx.post(url + TRACE_PATH, content=blob, headers=headers, timeout=600).raise_for_status()
+
+                    before, started = cpu_seconds(process), time.perf_counter()
+                    figures[OPENAI_BESIDE_POSTED] = openai_beside_traces(url, post, openai_texts, args)
+                    shares[OPENAI_BESIDE_POSTED] = spent(process, before, started)
             finally:
                 stop(process)
     difference = (kept[TRACES] - kept[NNSIGHT_SERVE]).abs().max().item()
@@ -276,8 +343,11 @@ def measure_traces(args: argparse.Namespace) -> None:
     concurrent = figures[f"{TRACES}, {clients}"]
     print(f"  ours, {clients} / one at a time: {concurrent / figures[f'{TRACES}, one at a time']:.3f}")
     print(f"  ours / nnsight-serve, {clients}: {concurrent / figures[f'{NNSIGHT_SERVE}, {clients}']:.3f}")
-    openai = figures["OpenAI tokens/s, traces running"] / figures["OpenAI tokens/s, no traces"]
-    print(f"  OpenAI tokens/s with traces running / none: {openai:.3f}")
+    for beside in (OPENAI_BESIDE, OPENAI_BESIDE_POSTED):
+        print(f"  {beside} / {OPENAI_ALONE}: {figures[beside] / figures[OPENAI_ALONE]:.3f}")
+    print("  the server's CPU time per second of each OpenAI measurement (of the machine's cores):")
+    for name, used in shares.items():
+        print(f"    {name:40s} " + ", ".join(f"{process} {seconds:.2f}" for process, seconds in used.items()))
 
 
 def main() -> None:

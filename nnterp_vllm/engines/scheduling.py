@@ -49,9 +49,7 @@ def carries_trace(request: Any) -> bool:
 
 
 #: The share of the engine's time steps running trace code take while requests that run none wait too.
-TRACE_SHARE = 1 / 3
-#: How much of the time each kind took so far counts at the next step (older steps weigh less).
-TIME_KEPT = 0.9
+TRACE_SHARE = 1 / 5
 
 
 class TraceSteps:
@@ -61,9 +59,10 @@ class TraceSteps:
     its CUDA graphs), and the trace's code runs beside every token of the step. So while both kinds wait, each step
     takes one kind only, the one further below its share of the engine's time: `TRACE_SHARE` for the steps running
     trace code, the rest for the others (the OpenAI routes' requests, steered or not). Each step's time is measured
-    from its schedule to the next (older steps weighing less, `TIME_KEPT`); the other kind's running requests sit
-    the step out (vLLM's ``next_decode_eligible_step``), its waiting ones are passed over. With one kind waiting,
-    every step is its.
+    from its schedule to the next and counted only for steps chosen while both waited (a kind that had the engine
+    to itself earns no debt, and a moment with one kind waiting forgives none); the other kind's running requests
+    sit the step out (vLLM's ``next_decode_eligible_step``), its waiting ones are passed over. With one kind
+    waiting, every step is its.
     """
 
     def __init__(self, scheduler: Any) -> None:
@@ -71,7 +70,7 @@ class TraceSteps:
 
         self.scheduler = scheduler
         self.separate = os.environ.get("NNTERP_VLLM_TRACE_STEPS", "separate") == "separate"
-        #: Engine seconds each kind (``True``: trace code) took while both waited, older ones weighing less.
+        #: Engine seconds each kind (``True``: trace code) took in steps chosen while both waited.
         self.spent = {False: 0.0, True: 0.0}
         self.last: tuple[bool, float] | None = None
         #: The kind this step leaves out, or ``None``.
@@ -84,13 +83,11 @@ class TraceSteps:
         now = time.monotonic()
         if self.last is not None:
             kind, started = self.last
-            self.spent = {key: TIME_KEPT * spent for key, spent in self.spent.items()}
             self.spent[kind] += now - started
         self.last, self.left_out = None, None
         scheduler = self.scheduler
         waiting = {carries_trace(request) for request in [*scheduler.running, *scheduler.waiting]}
         if not self.separate or len(waiting) < 2:
-            self.spent = {False: 0.0, True: 0.0}
             return
         kind = self.spent[True] / TRACE_SHARE < self.spent[False] / (1 - TRACE_SHARE)
         self.last, self.left_out = (kind, now), not kind
