@@ -250,7 +250,7 @@ def our_harvest(
     used; the blocks each forward ran; the vLLM path."""
     from nnterp_vllm.harvest import harvest
     from nnterp_vllm.harvest.compute import build_settings, load_model
-    from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES, ENGINE_DEFAULTS, EngineHarvester
+    from nnterp_vllm.harvest.in_engine import CAPTURE_ONLY, CAPTURE_VALUES, ENGINE_DEFAULTS, EngineHarvester
     from nnterp_vllm.harvest.selection import check_selectors
 
     results = []
@@ -258,7 +258,7 @@ def our_harvest(
         given = {"dtype": "float32"} if engine == "vllm" else {}
         settings = build_settings(check_selectors(values, context_length), engine, given)
         if through_nnsight:
-            settings = {name: value for name, value in settings.items() if name not in ENGINE_DEFAULTS}
+            settings = {name: value for name, value in settings.items() if name not in ENGINE_DEFAULTS | CAPTURE_ONLY}
             settings.pop(CAPTURE_VALUES, None)
         model = load_model(checkpoint, engine, settings)
         try:

@@ -4,7 +4,8 @@ Greedy generation of a batch of prompts x new tokens (``ignore_eos``) by: plain 
 compiled mode); SteeredVLLM with no steering, with every request steered by one shared vector at one
 layer, at 8 layers, with each request's own vector (at one layer, and at 8: as many distinct vectors as prompts in
 the steering pool), with one direction ablated at every residual-stream location (`Ablate`) and capped at 8
-layers (`Cap`); StandardizedVLLM (nnsight) steering every
+layers (`Cap`); SteeredVLLM built to steer nothing (``max_steering_entries=0``: no steering operation in its
+graph, the cost of the operation itself); StandardizedVLLM (nnsight) steering every
 step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
 does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
 
@@ -52,10 +53,13 @@ STEERED = (
     "one direction capped at 8 layers",
 )
 
+#: SteeredVLLM built to steer nothing (no steering operation in its graph, as the harvest builds it): what the
+#: operation itself costs, against "SteeredVLLM, no steering".
+NO_OPERATION = "SteeredVLLM built to steer nothing"
 #: Phases of (engine -> the configurations it measures, whether it is measured every round): the engines
 #: of a phase are alive together and measured in turn; the slow baselines, far from plain vLLM, once.
 PHASES = [
-    ({"plain vLLM": ["plain"], "SteeredVLLM": list(STEERED)}, True),
+    ({"plain vLLM": ["plain"], "SteeredVLLM": list(STEERED), NO_OPERATION: [STEERED[0]]}, True),
     ({"plain vLLM, compilation off": ["plain"], "SteeredVLLM, compilation off": [STEERED[1]]}, True),
     ({"StandardizedVLLM (nnsight)": ["steering every step"]}, False),
     ({"transformers generate": ["steering hook"]}, False),
@@ -137,6 +141,7 @@ def transformers_generate(path: str, batch: list[str]) -> tuple[Callable, Callab
 ENGINES = {
     "plain vLLM": (plain_vllm, {}),
     "SteeredVLLM": (steered_vllm, {}),
+    NO_OPERATION: (steered_vllm, {"max_steering_entries": 0, "max_probe_columns": 0}),
     "plain vLLM, compilation off": (plain_vllm, {"enforce_eager": True}),
     "SteeredVLLM, compilation off": (steered_vllm, {"enforce_eager": True}),
     "StandardizedVLLM (nnsight)": (nnsight_vllm, {}),

@@ -607,10 +607,11 @@ class TestAHarvestOnASteeredVLLM:
     @pytest.fixture(scope="class")
     def engine(self, llama_path):
         from nnterp_vllm import SteeredVLLM
-        from nnterp_vllm.harvest.in_engine import ENGINE_DEFAULTS
+        from nnterp_vllm.harvest.in_engine import engine_settings
+        from nnterp_vllm.harvest.selection import check_selectors
 
         # Built as the harvest builds its own engine: capture only, no steering operation.
-        model = SteeredVLLM(llama_path, dtype="float32", capture_values=self.VALUES, **ENGINE_DEFAULTS)
+        model = SteeredVLLM(llama_path, **engine_settings(check_selectors(self.VALUES, None), {"dtype": "float32"}))
         yield model
         model.shutdown()
 

@@ -26,13 +26,10 @@ from .selection import BLOCK_ORDER, MODULE_OUTPUTS, ROOT_VALUES, Selection, Sele
 
 #: What the harvest's engine is built with unless the caller says otherwise: no prefix cache (no prompt is
 #: seen twice), steps of this many tokens (each kept value holds a buffer row of as many).
-ENGINE_DEFAULTS = {
-    "enable_prefix_caching": False,
-    "max_num_batched_tokens": 2048,
-    # A harvest steers nothing: its engine runs no steering operation.
-    "max_steering_entries": 0,
-    "max_probe_columns": 0,
-}
+ENGINE_DEFAULTS = {"enable_prefix_caching": False, "max_num_batched_tokens": 2048}
+#: What makes the harvest's engine keep values only: a harvest steers nothing, so its engine runs no steering
+#: operation.
+CAPTURE_ONLY = {"max_steering_entries": 0, "max_probe_columns": 0}
 #: The setting that makes `run.load_model` build this path's engine.
 CAPTURE_VALUES = "capture_values"
 #: vLLM's setting for running the engine's core in a process of its own (``1``, its default) or in the caller's.
@@ -46,7 +43,7 @@ def serves(selectors: list[Selector]) -> bool:
 
 def engine_settings(selectors: list[Selector], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments the harvest's engine for ``selectors`` is built with, over the caller's ``kwargs``."""
-    return {**ENGINE_DEFAULTS, **kwargs, CAPTURE_VALUES: [selector.text for selector in selectors]}
+    return {**ENGINE_DEFAULTS, **CAPTURE_ONLY, **kwargs, CAPTURE_VALUES: [selector.text for selector in selectors]}
 
 
 class EngineHarvester:
@@ -153,4 +150,4 @@ def in_process_by_default() -> bool:
     return True
 
 
-__all__ = ["ENGINE_DEFAULTS", "EngineHarvester", "engine_settings", "in_process_by_default", "serves"]
+__all__ = ["CAPTURE_ONLY", "ENGINE_DEFAULTS", "EngineHarvester", "engine_settings", "in_process_by_default", "serves"]
