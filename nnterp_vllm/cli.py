@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _support(args: argparse.Namespace) -> int:
@@ -14,6 +15,26 @@ def _support(args: argparse.Namespace) -> int:
     model = StandardizedTransformer(args.model)
     print(json.dumps({"family": model.family.__name__.rsplit(".", 1)[-1], **model.support()}, indent=2))
     return 0
+
+
+def probes_given(given: Sequence[str] | None) -> dict[str, Any] | None:
+    """``--probe NAME=PATH@LAYER[:ACTIVATION]`` arguments as probes by name (`steering.probes.Probe`, from a
+    safetensors file holding one tensor, or ``weight`` and ``bias``); ValueError naming a malformed one."""
+    if not given:
+        return None
+    from .steering.probes import Probe
+
+    probes = {}
+    for text in given:
+        name, equals, rest = text.partition("=")
+        path, at, read = rest.rpartition("@")
+        layer, _, activation = read.partition(":")
+        if not (name and equals and path and at) or not layer.removeprefix("-").isdigit():
+            raise ValueError(f"--probe takes NAME=PATH.safetensors@LAYER (or @LAYER:sigmoid, :softmax), got {text!r}")
+        if name in probes:
+            raise ValueError(f"--probe names {name!r} twice")
+        probes[name] = Probe(path, layer=int(layer), activation=activation or None)
+    return probes
 
 
 def _harvest(args: argparse.Namespace) -> int:
@@ -44,6 +65,7 @@ def _harvest(args: argparse.Namespace) -> int:
         "text_field": args.text_field,
         "dtype": args.dtype,
         "model_kwargs": model_kwargs,
+        "probes": probes_given(args.probe),
     }
     if args.plan:
         from .harvest.plan import describe, plan
@@ -131,6 +153,13 @@ def parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="output directory, or any fsspec URL (s3://bucket/run, gs://, az://, file://); rerunning resumes it",
+    )
+    harvest.add_argument(
+        "--probe",
+        action="append",
+        metavar="NAME=PATH@LAYER[:ACTIVATION]",
+        help="a linear probe (a safetensors file) read at block LAYER, harvested as the value probes.NAME; "
+        "ACTIVATION: sigmoid or softmax",
     )
     harvest.add_argument("--engine", choices=["hf", "transformers", "vllm"], default="transformers")
     harvest.add_argument(

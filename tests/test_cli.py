@@ -91,6 +91,11 @@ def refusal(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return arguments, "needs a context length"
     if case == "sae-lens-without-context":
         return harvest_arguments(tmp_path, "--format", "sae-lens"), "format='sae-lens' .* give a context_length"
+    if case == "malformed-probe":
+        return harvest_arguments(tmp_path, "--probe", "toxicity=probe.safetensors"), r"--probe takes NAME=PATH"
+    if case == "missing-probe-file":
+        absent = tmp_path / "absent.safetensors"
+        return harvest_arguments(tmp_path, "--probe", f"toxicity={absent}@0"), r"absent\.safetensors is not a readable"
     raise AssertionError(case)
 
 
@@ -107,6 +112,8 @@ REFUSALS = [
     "context-length",
     "pattern-without-context",
     "sae-lens-without-context",
+    "malformed-probe",
+    "missing-probe-file",
 ]
 
 

@@ -22,7 +22,7 @@ import torch
 from test_steering import engine_args, hooked_generation
 from vllm import SamplingParams
 
-from nnterp_vllm import Cap, SteeredVLLM, Steering
+from nnterp_vllm import Cap, Probe, SteeredVLLM, Steering
 from nnterp_vllm.checkpoints import smollm2
 from nnterp_vllm.cli import main
 from nnterp_vllm.engines import memory
@@ -348,6 +348,17 @@ def counting_device():
 
     device.Event = Event
     return device
+
+
+def test_every_probe_column_is_a_row_of_the_engines_probe_buffers():
+    """A pool of three probe columns places a request reading all three at ids 0, 1 and 2: the rows of the engine's
+    buffers, which hold ``max_probe_columns`` of them."""
+    probe = Probe(torch.ones(8, 3)).resolved("three", 4, 8)
+    probes = {"key": "k", "prompt_tokens": 8, "probes": [{**probe, "positions": "all"}]}
+    pool = SteeringPool(num_layers=4, rows=8, entries=0, writes_per_step=8, columns=3)
+    assert pool.admit("all three", None, probes)
+    ((name, columns),) = probes[PLACED]["probes"]
+    assert name == "three" and sorted(columns) == [0, 1, 2]
 
 
 def test_an_accelerators_new_content_goes_through_the_pinned_staging_and_waits_only_when_it_is_full(monkeypatch):

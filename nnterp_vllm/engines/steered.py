@@ -287,19 +287,24 @@ def with_extra(params: SamplingParams, key: str, value: Any) -> SamplingParams:
     return params
 
 
+def probe_scores(wire: dict[str, Any], taken: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+    """The scores of the probes one request read (``wire``: its probes in engine form), from what `take_probes`
+    took: by probe name, at its kept tokens in position order, after its activation (``[tokens]`` for a one-score
+    probe, ``[tokens, classes]`` otherwise; ``None`` where the engine kept none)."""
+    found = taken.get(wire["key"], {})
+    probes = {}
+    for probe in wire["probes"]:
+        scores = activated(unpack(found[probe["name"]]), probe["activation"]) if probe["name"] in found else None
+        if scores is not None and len(probe["weight"]) == 1:
+            scores = scores[:, 0]
+        probes[probe["name"]] = scores
+    return probes
+
+
 def attach_probes(output: RequestOutput, wire: dict[str, Any] | None, taken: dict[str, Any]) -> None:
-    """Give ``output`` (and its completion) the probe scores its request kept: ``probes``, a dict from each probe's
-    name to its scores at its kept tokens in position order, after its activation (``[tokens]`` for a one-score
-    probe, ``[tokens, classes]`` otherwise); ``None`` where it asked for none."""
-    probes = None
-    if wire is not None:
-        found = taken.get(wire["key"], {})
-        probes = {}
-        for probe in wire["probes"]:
-            scores = activated(unpack(found[probe["name"]]), probe["activation"]) if probe["name"] in found else None
-            if scores is not None and len(probe["weight"]) == 1:
-                scores = scores[:, 0]
-            probes[probe["name"]] = scores
+    """Give ``output`` (and its completion) the probe scores its request kept: ``probes`` (`probe_scores`);
+    ``None`` where it asked for none."""
+    probes = None if wire is None else probe_scores(wire, taken)
     output.probes = probes
     for completion in output.outputs:
         completion.probes = probes

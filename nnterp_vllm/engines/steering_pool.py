@@ -133,15 +133,16 @@ def content_name(key: tuple) -> str:
 
 
 class Slots:
-    """Ids ``1..capacity`` of one kind of pool room (rows or entries), each holding one key's content: shared by the
-    requests that use it, idle (resident, used by none, reused least recently used last) or free."""
+    """Ids ``first..first + capacity - 1`` of one kind of pool room (rows and entries from 1, their id 0 being the
+    empty content; probe columns from 0, every one of the engine's columns a read), each holding one key's content:
+    shared by the requests that use it, idle (resident, used by none, reused least recently used last) or free."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, first: int = 1) -> None:
         self.capacity = capacity
         self.id_of: dict[tuple, int] = {}
         self.users: collections.Counter[tuple] = collections.Counter()
         self.idle: collections.OrderedDict[tuple, None] = collections.OrderedDict()
-        self.free = list(range(capacity, 0, -1))
+        self.free = list(range(first + capacity - 1, first - 1, -1))
 
     def missing(self, keys: Any) -> list[tuple]:
         """The ``keys`` whose content is not resident."""
@@ -189,7 +190,7 @@ class SteeringPool:
 
     def __init__(self, num_layers: int, rows: int, entries: int, writes_per_step: int, columns: int = 0) -> None:
         self.num_layers = num_layers
-        self.rows, self.entries, self.columns = Slots(rows), Slots(entries), Slots(columns)
+        self.rows, self.entries, self.columns = Slots(rows), Slots(entries), Slots(columns, first=0)
         self.writes_per_step = writes_per_step
         #: Each placed request's column, entry and row keys.
         self.held: dict[str, tuple[list[tuple], list[tuple], list[tuple]]] = {}

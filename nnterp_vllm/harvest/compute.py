@@ -186,13 +186,13 @@ def compute(model: Any, unit: Unit, job: Job) -> Columns:
         per_row = _run_vllm(model, unit.rows, job)
     else:
         per_row = _run_transformers(model, unit.rows, job)
-    dtype = getattr(torch, job.dtype)
     columns, kept_positions = metadata(unit.rows, job.positions)
     columns.update({selection.name: [] for selection in job.selections})
     for values, kept in zip(per_row, kept_positions):
         for selection in job.selections:
             value = values[selection.name] if kept_already else values[selection.name][kept]
-            # Expert indices stay integers; activations are stored in the harvest's dtype.
+            # Expert indices stay integers; activations are stored in the harvest's dtype, probe scores in float32.
+            dtype = getattr(torch, selection.stored_dtype(job.dtype))
             columns[selection.name].append(value.to(dtype) if value.is_floating_point() else value)
     return columns
 
@@ -227,13 +227,16 @@ def _run_transformers(model: Any, unit_rows: list[Row], job: Job) -> list[dict[s
         with torch.no_grad(), model.trace(inputs, use_cache=False) as tracer:
             saved = nnsight.save({})
             for selection in job.selections:
-                saved[selection.name] = selection.read(model)
+                if selection.source not in saved:
+                    saved[selection.source] = selection.read(model)
             tracer.stop()
         saved = {name: value.to("cpu") for name, value in saved.items()}  # one copy off the device per batch
         for slot, i in enumerate(batch):
             length = len(unit_rows[i].token_ids)
             results[i] = {
-                selection.name: selection.per_token(saved[selection.name][slot : slot + 1], length, job.context_length)
+                selection.name: selection.per_token(
+                    saved[selection.source][slot : slot + 1], length, job.context_length
+                )
                 for selection in job.selections
             }
     return results
@@ -248,12 +251,15 @@ def _run_vllm(model: Any, unit_rows: list[Row], job: Job) -> list[dict[str, torc
         for number, row in enumerate(unit_rows):
             with tracer.invoke(list(row.token_ids)):
                 for selection in job.selections:
-                    saved[(number, selection.name)] = selection.read(model)
+                    if (number, selection.source) not in saved:
+                        saved[(number, selection.source)] = selection.read(model)
                 # Ends this request's worker: it is not served the logits or the sampled token.
                 tracer.stop()
     return [
         {
-            selection.name: selection.per_token(saved[(number, selection.name)], len(row.token_ids), job.context_length)
+            selection.name: selection.per_token(
+                saved[(number, selection.source)], len(row.token_ids), job.context_length
+            )
             for selection in job.selections
         }
         for number, row in enumerate(unit_rows)

@@ -6,15 +6,18 @@ one continuous stream of prefill-only requests (one token sampled, no prefix cac
 value read; `pipeline`), the engine's core in the harvest's own process unless the caller set vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` (`in_process_by_default`). The worker copies each step's kept rows straight
 into the shard's columns, in shared memory, in the harvest's dtype; they never travel one token or one request at
-a time through the engine's output queue. Other values (the attention interior, the experts' choice, logits) go
-through nnsight (`StandardizedVLLM`); the manifest's ``vllm_path`` says which path ran and ``engine_process``
-where the engine ran.
+a time through the engine's output queue. A probe's scores (``probes.NAME``) are the engine's own probe reads
+(`steering.probes`): its engine is built with a probe column per class of the probes read (``max_probe_columns``),
+and each request reads them at the positions it keeps. Other values (the attention interior, the experts' choice,
+logits) go through nnsight (`StandardizedVLLM`); the manifest's ``vllm_path`` says which path ran and
+``engine_process`` where the engine ran.
 
 This module imports no vLLM until an engine is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -22,14 +25,16 @@ import torch
 
 from ..capture import NNSIGHT_PATH, STATIC_BLOCK_VALUES, STATIC_ROOT_VALUES, STATIC_VALUES, Capture
 from .corpus import Row
-from .selection import BLOCK_ORDER, MODULE_OUTPUTS, ROOT_VALUES, Selection, Selector
+from .selection import BLOCK_ORDER, MODULE_OUTPUTS, PROBES, ROOT_VALUES, Selection, Selector
 
 #: What the harvest's engine is built with unless the caller says otherwise: no prefix cache (no prompt is
 #: seen twice), steps of this many tokens (each kept value holds a buffer row of as many).
 ENGINE_DEFAULTS = {"enable_prefix_caching": False, "max_num_batched_tokens": 2048}
 #: What makes the harvest's engine keep values only: a harvest steers nothing, so its engine runs no steering
-#: operation.
+#: operation (unless it reads probes: a probe column per class, `engine_settings`).
 CAPTURE_ONLY = {"max_steering_entries": 0, "max_probe_columns": 0}
+#: The engine setting that sizes its probe reads.
+PROBE_COLUMNS = "max_probe_columns"
 #: The setting that makes `run.load_model` build this path's engine.
 CAPTURE_VALUES = "capture_values"
 #: vLLM's setting for running the engine's core in a process of its own (``1``, its default) or in the caller's.
@@ -41,9 +46,26 @@ def serves(selectors: list[Selector]) -> bool:
     return all(selector.key in STATIC_VALUES for selector in selectors)
 
 
+def probe_columns(probes: list[Any]) -> int:
+    """The probe columns an engine reads ``probes`` (each a `Probe`) with: one per class."""
+    return sum(probe.classes for probe in probes)
+
+
 def engine_settings(selectors: list[Selector], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments the harvest's engine for ``selectors`` is built with, over the caller's ``kwargs``."""
-    return {**ENGINE_DEFAULTS, **CAPTURE_ONLY, **kwargs, CAPTURE_VALUES: [selector.text for selector in selectors]}
+    """The keyword arguments the harvest's engine for ``selectors`` is built with, over the caller's ``kwargs``:
+    keeping the values they name, with a probe column per class of the probes they read."""
+    kept = [selector.text for selector in selectors if selector.probe is None]
+    columns = probe_columns([selector.probe[1] for selector in selectors if selector.probe is not None])
+    return {**ENGINE_DEFAULTS, **CAPTURE_ONLY, PROBE_COLUMNS: columns, **kwargs, CAPTURE_VALUES: kept or None}
+
+
+def probes_at(selections: tuple[Selection, ...], positions: str | list[int]) -> dict[str, Any]:
+    """The probes ``selections`` read (`Probe`s by name), each at ``positions`` (as `Probe` takes them)."""
+    return {
+        selection.probe[0]: dataclasses.replace(selection.probe[1], positions=positions)
+        for selection in selections
+        if selection.probe is not None
+    }
 
 
 class EngineHarvester:
@@ -97,21 +119,42 @@ class EngineHarvester:
 
     def module_path(self, selection: Selection) -> str | None:
         """The path of the module whose output ``selection`` is (SAELens's column), as `Selection.module_path`."""
+        if selection.probe is not None:
+            return None
         module, attribute = self.llm.capture_places[selection.name]
         return module if selection.key in MODULE_OUTPUTS and attribute == "output" else None
+
+    def check_probes(self, selections: list[Selection]) -> None:
+        """Refuse probes this engine cannot read at once: more classes than its probe columns."""
+        columns = probe_columns([selection.probe[1] for selection in selections if selection.probe is not None])
+        if columns > self.llm.max_probe_columns:
+            raise ValueError(
+                f"the probes harvested read {columns} probe columns (one per class); this engine reads at most "
+                f"{self.llm.max_probe_columns}: build it with {PROBE_COLUMNS}={columns} or more"
+            )
 
     def values(
         self, rows: list[Row], selections: tuple[Selection, ...], positions: Any, dtype: str
     ) -> list[dict[str, torch.Tensor]]:
-        """Each row's selected values, ``[tokens, ...]`` in ``dtype``, in row order, from one batch: at the kept
-        positions for ``"last"``, at every position otherwise (a mask is applied by the caller)."""
+        """Each row's selected values, ``[tokens, ...]`` in ``dtype`` (probe scores in float32), in row order, from
+        one batch: at the kept positions for ``"last"``, at every position otherwise (a mask is applied by the
+        caller)."""
         from vllm import SamplingParams
 
-        capture = Capture([selection.name for selection in selections], "last" if positions == "last" else "all", dtype)
+        kept = "last" if positions == "last" else "all"
+        wanted = [selection.name for selection in selections if selection.probe is None]
+        capture = Capture(wanted, kept, dtype) if wanted else None
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         prompts = [{"prompt_token_ids": list(row.token_ids)} for row in rows]
-        outputs = self.llm.generate(prompts, params, capture=capture, use_tqdm=False)
-        return [output.activations for output in outputs]
+        probes = probes_at(selections, kept) or None
+        outputs = self.llm.generate(prompts, params, capture=capture, probes=probes, use_tqdm=False)
+        return [
+            {
+                **(output.activations or {}),
+                **{PROBES + name: scores for name, scores in (output.probes or {}).items()},
+            }
+            for output in outputs
+        ]
 
     @property
     def engine_process(self) -> str:
@@ -150,4 +193,13 @@ def in_process_by_default() -> bool:
     return True
 
 
-__all__ = ["CAPTURE_ONLY", "ENGINE_DEFAULTS", "EngineHarvester", "engine_settings", "in_process_by_default", "serves"]
+__all__ = [
+    "CAPTURE_ONLY",
+    "ENGINE_DEFAULTS",
+    "EngineHarvester",
+    "engine_settings",
+    "in_process_by_default",
+    "probe_columns",
+    "probes_at",
+    "serves",
+]

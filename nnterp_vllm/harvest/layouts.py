@@ -10,7 +10,8 @@ SAELens's cached-activation training reads as it is: one row per sequence of exa
 ``context_length`` tokens; per value a column named as SAELens names a transformers hook (the
 module path, ``model.layers.6`` for ``layers.6.layer_output``) typed
 ``Array2D((context_length, d), dtype)``; ``token_ids`` as int32 sequences of that length; and
-``documents``/``offsets`` (int64 sequences) for our own reader. Each shard is one
+``documents``/``offsets`` (int64 sequences) for our own reader. A probe's scores are a column under their own
+name (``probes.NAME``), float32: a sequence of that length for a one-score probe, else ``Array2D``. Each shard is one
 ``data-NNNNN.arrow`` file; ``state.json`` and ``dataset_info.json`` list the shards written
 so far and are rewritten with the manifest after each one.
 """
@@ -286,11 +287,17 @@ class SaeLens:
     def file_name(index: int) -> str:
         return f"data-{index:05d}.arrow"
 
+    def dtype(self, entry: dict[str, Any]) -> str:
+        """The dtype a value (its manifest entry) is stored in: its own, or the harvest's."""
+        return entry.get("dtype", self.manifest["dtype"])
+
     def features(self) -> Any:
         from datasets import Array2D, Features, Sequence, Value
 
         columns: dict[str, Any] = {
-            entry["column"]: Array2D((self.context, *entry["shape"]), self.manifest["dtype"])
+            entry["column"]: Array2D((self.context, *entry["shape"]), self.dtype(entry))
+            if entry["shape"]
+            else Sequence(Value(self.dtype(entry)), length=self.context)
             for entry in self.values.values()
         }
         columns["token_ids"] = Sequence(Value("int32"), length=self.context)
@@ -348,8 +355,10 @@ class SaeLens:
             per_token = int(torch.tensor(shape).prod()) if shape else 1
             return Column(dtype, shape, len(array) // per_token, start)
 
-        dtype = getattr(torch, self.manifest["dtype"])
-        columns = {name: column(entry["column"], dtype, tuple(entry["shape"])) for name, entry in self.values.items()}
+        columns = {
+            name: column(entry["column"], getattr(torch, self.dtype(entry)), tuple(entry["shape"]))
+            for name, entry in self.values.items()
+        }
         columns["token_ids"] = column("token_ids", torch.int32, ())
         columns["documents"] = column("documents", torch.int64, ())
         columns["offsets"] = column("offsets", torch.int64, ())

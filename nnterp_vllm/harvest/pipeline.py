@@ -15,7 +15,9 @@ bound) is refused, never recorded with zeros (`lost_rows`). Nothing is done per 
 beyond adding it; a shard whose requests have all finished is taken one engine step later (its last chunks are
 written meanwhile), or at once where nothing else runs: one call to the worker (to take its requests' rows, which
 frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
-(`run.BackgroundWriter`): a writer that falls behind holds the engine back only once that queue is full.
+(`run.BackgroundWriter`): a writer that falls behind holds the engine back only once that queue is full. A shard
+with probe scores (``probes.NAME``) takes them from the worker in the same call as its rows, and is written from its
+columns (its values' region a memory file): the scores exist only once its requests have finished.
 
 Memory: the regions of the open shards and of the shards queued for writing: at most ``FEED_STEPS *
 max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards, in memory files; for
@@ -35,8 +37,9 @@ import torch
 
 from ..capture import Capture
 from .compute import Job, Unit, metadata, shard_record
-from .in_engine import EngineHarvester
+from .in_engine import EngineHarvester, probes_at
 from .layouts import Columns, Safetensors, layout_of
+from .selection import PROBE_DTYPE, PROBES, token_shape
 from .store import HarvestError, Placed, own_record, place_shard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
@@ -46,16 +49,17 @@ FEED_STEPS = 2
 
 @dataclass
 class OpenShard:
-    """A shard in the engine: its unit, columns, region (in its file where ``placed``), the requests still
-    running, and the engine step after which none was."""
+    """A shard in the engine: its unit, columns, region (in its file where ``placed``; none where only probes are
+    read), the requests still running, and the engine step after which none was."""
 
     unit: Unit
     columns: Columns
     region: Any
     names: list[str]
     placed: Path | None
-    #: Each capturing request's id -> (its capture key, the first region row that is its, how many rows it keeps).
-    requests: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    #: Each request's id -> (its capture key or ``None``, its probes in engine form or ``None``, the first row of
+    #: the shard that is its, how many rows it keeps).
+    requests: dict[str, tuple[str | None, dict[str, Any] | None, int, int]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     #: Prompt tokens of the running requests.
     tokens: int = 0
@@ -73,16 +77,22 @@ def shards(
 
     from ..engines.capture import unpack
     from ..engines.shared_rows import SharedRows
+    from ..engines.steered import probe_scores
 
     llm = harvester.llm
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    wanted = [selection.name for selection in job.selections]
-    kinds = {"all": Capture(wanted, "all", job.dtype), "last": Capture(wanted, "last", job.dtype)}
+    wanted = [selection.name for selection in job.selections if selection.probe is None]
+    kinds = {kind: Capture(wanted, kind, job.dtype) for kind in ("all", "last")} if wanted else {}
     dtype = getattr(torch, job.dtype)
-    names = kinds["all"].names(harvester.num_layers)
+    names = kinds["all"].names(harvester.num_layers) if wanted else []
+    read = {
+        selection.name: token_shape(selection, harvester, job.context_length)
+        for selection in job.selections
+        if selection.probe is not None
+    }
     location = job.location()
-    in_place = isinstance(layout_of(job.settings), Safetensors) and location.local is not None
+    in_place = isinstance(layout_of(job.settings), Safetensors) and location.local is not None and not read
     feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
@@ -98,24 +108,35 @@ def shards(
             room = [(name, dtype, list(shape[1:])) for name in names]
             own = own_record(shard_record(unit, columns), job.settings)
             placed, start = place_shard(location.local, unit.index, columns, room, own)
-        region = SharedRows(*shape, dtype, file=placed, start=start)
+        region = SharedRows(*shape, dtype, file=placed, start=start) if names else None
         shard = OpenShard(unit, columns, region, names, placed)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
-        prompts, captures, destinations, kept_rows = [], [], [], []
+        # Each probe's scores, one part per request after this empty one.
+        columns.update(
+            {
+                name: [torch.empty((0, *per_token), dtype=getattr(torch, PROBE_DTYPE))]
+                for name, per_token in read.items()
+            }
+        )
+        prompts, captures, destinations, probes, spans = [], [], [], [], []
         first = 0
         for row, count, positions in zip(unit.rows, counts, kept):
             if count:  # a row that keeps nothing is not run
                 prompts.append({"prompt_token_ids": list(row.token_ids)})
-                if isinstance(job.positions, str):
-                    captures.append(kinds[job.positions])
-                else:
-                    captures.append(Capture(wanted, positions.nonzero().flatten().tolist(), dtype))
-                destinations.append(region.destination(first))
-                kept_rows.append(count)
+                at = job.positions if isinstance(job.positions, str) else positions.nonzero().flatten().tolist()
+                if wanted:
+                    captures.append(kinds[at] if isinstance(at, str) else Capture(wanted, at, dtype))
+                    destinations.append(region.destination(first))
+                probes.append(probes_at(job.selections, at) or None)
+                spans.append((first, count))
             first += count
-        submitted = llm.submit(prompts, params, capture=captures, destinations=destinations) if prompts else []
-        for (request_id, wire), destination, prompt, count in zip(submitted, destinations, prompts, kept_rows):
-            shard.requests[request_id] = (wire["key"], destination["first"], count)
+        submitted = (
+            llm.submit(prompts, params, capture=captures or None, destinations=destinations, probes=probes)
+            if prompts
+            else []
+        )
+        for (request_id, wire), probe_wire, prompt, span in zip(submitted, llm._submitted_probes, prompts, spans):
+            shard.requests[request_id] = (None if wire is None else wire["key"], probe_wire, *span)
             shard.tokens += len(prompt["prompt_token_ids"])
             owner[request_id] = shard
         shard.running = set(shard.requests)
@@ -123,25 +144,43 @@ def shards(
             shard.done_after = steps
         return shard
 
-    def finish(shard: OpenShard) -> tuple[Columns, Placed | None]:
-        taken = llm.take_captured([key for key, *_ in shard.requests.values()]) if shard.requests else {}
-        missing = 0
-        for key, first, count in shard.requests.values():
-            if not taken.get(key):  # rows that never reached the shard: never recorded as zeros
-                missing += count
-                continue
-            rows = next(iter(taken[key].values()))  # one request (one completion) per capture key
-            if rows is not None:  # kept by a worker that could not map the region
-                rows = {name: unpack(found) for name, found in rows.items()}
-                missing += max(count - len(found) for found in rows.values())
-                shard.region.fill(first, rows, shard.names)
-        if missing:
+    def taken(shard: OpenShard) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the worker kept for ``shard``'s requests, handed over and forgotten there: rows, probe scores."""
+        captured = [capture for capture, *_ in shard.requests.values() if capture is not None]
+        read = [probe["key"] for _, probe, *_ in shard.requests.values() if probe is not None]
+        return llm.take_captured(captured) if captured else {}, llm.take_probes(read) if read else {}
+
+    def close(shard: OpenShard) -> None:
+        if shard.region is not None:
             shard.region.close()
+
+    def finish(shard: OpenShard) -> tuple[Columns, Placed | None]:
+        kept, scores = taken(shard)
+        missing = 0
+        for capture, probes, first, count in shard.requests.values():
+            short = 0
+            if capture is not None:
+                if not kept.get(capture):  # rows that never reached the shard: never recorded as zeros
+                    short = count
+                else:
+                    rows = next(iter(kept[capture].values()))  # one request (one completion) per capture key
+                    if rows is not None:  # kept by a worker that could not map the region
+                        rows = {name: unpack(found) for name, found in rows.items()}
+                        short = max(count - len(found) for found in rows.values())
+                        shard.region.fill(first, rows, shard.names)
+            for name, part in (probe_scores(probes, scores) if probes is not None else {}).items():
+                if part is None or len(part) < count:
+                    short = count
+                else:
+                    shard.columns[PROBES + name].append(part[:count])
+            missing += short
+        if missing:
+            close(shard)
             if shard.placed is not None:
                 shard.placed.unlink(missing_ok=True)
             raise lost_rows(shard, missing)
         placed = None if shard.placed is None else Placed(shard.placed, shard.region.chunk_digests())
-        shard.region.close()
+        close(shard)
         return shard.columns, placed
 
     try:
@@ -172,9 +211,8 @@ def shards(
         if running:
             engine.abort_request(running, internal=True)
         for shard in opened:
-            if shard.requests:
-                llm.take_captured([key for key, *_ in shard.requests.values()])
-            shard.region.close()
+            taken(shard)
+            close(shard)
             if shard.placed is not None:
                 shard.placed.unlink(missing_ok=True)
 

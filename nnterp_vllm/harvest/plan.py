@@ -36,6 +36,7 @@ def plan(
     dtype: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
     tokens_per_second: float | None = None,
+    probes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The I/O plan of the harvest these arguments (as `harvest` takes them) describe: ``bytes_per_token``,
     ``tokens`` kept over the corpus, ``total_bytes``, and, given the engine's tokens/s (``tokens_per_second``: what
@@ -44,7 +45,9 @@ def plan(
         raise ValueError(f"--plan takes positions 'all' or 'last', got {positions!r}")
     if tokens_per_second is not None and not tokens_per_second > 0:
         raise ValueError(f"tokens_per_second must be a positive number, got {tokens_per_second!r}")
-    selectors = check_selectors(values, context_length)
+    from ..steering.probes import probes_of
+
+    selectors = check_selectors(values, context_length, probes_of(probes))
     engine = engine_name(engine)
     overflow = _check_format(format, context_length, overflow, positions, dtype)
     settings = ContextSettings(context_length=context_length, overflow=overflow, add_bos=add_bos, text_field=text_field)

@@ -45,7 +45,7 @@ from .layouts import FORMATS, Columns
 from .location import Location
 from .reader import Harvest, load_harvest
 from .resume import Resume
-from .selection import Selection, check_selectors, parse, token_shape
+from .selection import PROBE_DTYPE, Selection, check_selectors, parse, token_shape
 from .store import OVERWRITE, HarvestError, Placed, Store, positive_int
 
 #: The loaded models a harvest takes, by module and class.
@@ -212,7 +212,8 @@ def _check_format(
 
 def _value_entries(selections: list[Selection], model: Any, context_length: int | None, format: str) -> dict:
     """The manifest's ``values``: each value's per-token shape and module path (and, for sae-lens, its column; for
-    an SAE's features, the SAE: its name, directory, hook and digest)."""
+    an SAE's features, the SAE: its name, directory, hook and digest; for a probe's scores, their dtype and the
+    probe: its block, weight shape, activation and the digest of its block, weight and bias)."""
     entries: dict[str, dict[str, Any]] = {}
     columns: dict[str, str] = {}
     for selection in selections:
@@ -221,24 +222,39 @@ def _value_entries(selections: list[Selection], model: Any, context_length: int 
         if selection.value == "sae_features":
             sae = model.saes.at(selection.layer)
             entry["sae"] = {"name": sae.name, "path": sae.path, "hook": sae.hook, "digest": sae.digest}
+        if selection.probe is not None:
+            name, probe = selection.probe
+            read = probe.resolved(name, model.num_layers, model.hidden_size)
+            entry["dtype"] = PROBE_DTYPE
+            entry["probe"] = {
+                "layer": read["layer"],
+                "weight_shape": list(probe.weight.shape),
+                "activation": probe.activation,
+                "digest": read["digest"],
+            }
         if format == "sae-lens":
-            if module is None:
+            # A probe's scores are a column of their own, under their name.
+            column = selection.name if selection.probe is not None else module
+            if column is None:
                 raise ValueError(
                     f"{selection.name} is no module's output, and SAELens names activations by the module it hooks: "
                     "harvest a layer_output, attention_output or mlp_output (or the default format)"
                 )
-            if module in columns:
-                raise ValueError(f"{columns[module]} and {selection.name} are both the output of {module}: keep one")
-            columns[module] = selection.name
-            entry["column"] = module
+            if column in columns:
+                raise ValueError(f"{columns[column]} and {selection.name} are both the output of {column}: keep one")
+            columns[column] = selection.name
+            entry["column"] = column
         entries[selection.name] = entry
     return entries
 
 
 def value_bytes(entries: dict[str, dict[str, Any]], dtype: str) -> int:
-    """Bytes of one token's values (the manifest's ``values`` ``entries``) stored in ``dtype``."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return sum(int(torch.tensor(entry["shape"]).prod()) for entry in entries.values()) * itemsize
+    """Bytes of one token's values (the manifest's ``values`` ``entries``) stored in ``dtype`` (or their own)."""
+
+    def itemsize(entry: dict[str, Any]) -> int:
+        return torch.empty((), dtype=getattr(torch, entry.get("dtype", dtype))).element_size()
+
+    return sum(int(torch.tensor(entry["shape"]).prod()) * itemsize(entry) for entry in entries.values())
 
 
 def _units(
@@ -278,6 +294,7 @@ def harvest(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     shared_filesystem: bool = False,
+    probes: dict[str, Any] | None = None,
 ) -> Harvest:
     """Harvest ``values`` of ``model`` over ``corpus`` into ``out``; return the harvest, opened.
 
@@ -293,7 +310,8 @@ def harvest(
         corpus: A .txt file (a document per line), a directory of .txt files, a .jsonl file, a
             ``datasets`` dataset (object or saved directory), or a list of texts or of token-id lists.
         values: Selectors such as ``layers.*.layer_output``, ``layers.6.mlp_output``,
-            ``layers.3.self_attn.attention_probabilities``, ``final_norm_output``.
+            ``layers.3.self_attn.attention_probabilities``, ``final_norm_output``; ``probes.NAME`` for the
+            scores of the probe ``NAME`` of ``probes``.
         out: The output directory, or any fsspec URL (``s3://bucket/run``, ``gs://``, ``az://``, ``file://``):
             every replica writes its shards straight there; a rerun of the same command resumes it.
         engine: ``"transformers"`` (or ``"hf"``) or ``"vllm"``, for a checkpoint path.
@@ -325,8 +343,17 @@ def harvest(
         shared_filesystem: Declare a local ``out`` a file system every Ray node mounts at the same path: without
             it, a local ``out`` with replicas on nodes other than this one is refused before any work; with it,
             each landed shard is checked here.
+        probes: Linear probes by name (`steering.probes.Probe`, reading every position: the harvest's
+            ``positions`` choose the tokens), each harvested as ``probes.NAME``: its scores per token, after its
+            activation, in float32 (``[tokens]`` for a one-score probe, ``[tokens, classes]`` otherwise). On vLLM's
+            in-engine path the engine reads them itself (built with a probe column per class; a `SteeredVLLM`
+            passed in needs ``max_probe_columns`` that many); elsewhere they are computed from the block's
+            ``layer_output``, as the engine computes them. Every probe given must be harvested; the manifest
+            records each (its block, weight shape, activation and digest).
     """
-    selectors = check_selectors(values, context_length)
+    from ..steering.probes import probes_of
+
+    selectors = check_selectors(values, context_length, probes_of(probes))
     _check_arguments(
         model, out, positions, model_kwargs, batch_size=batch_size, workers=workers, shard_bytes=shard_bytes
     )
@@ -357,6 +384,8 @@ def harvest(
             built.callback(model.shutdown)
         leader = built.enter_context(ranks.lead(sharded))
         selections = parse(selectors, model, context_length)
+        if isinstance(model, EngineHarvester):
+            model.check_probes(selections)
         dtype = dtype or model_dtype(model)
         if format == "sae-lens" and dtype not in ("float32", "float16"):
             raise ValueError(

@@ -1,17 +1,22 @@
 """Which values a harvest reads: ``layers.*.layer_output``-style selectors, checked against the model.
 
 A selector names a per-token value: a root value (``token_embeddings``, ``final_norm_output``,
-``logits``, ``lm_head_output``), or a block value with a layer part (an index, ``*``, a range
-``2-5`` or a list ``1,3``) and, for a module's value, the module (``layers.3.self_attn.attention_probabilities``).
+``logits``, ``lm_head_output``), a block value with a layer part (an index, ``*``, a range
+``2-5`` or a list ``1,3``) and, for a module's value, the module (``layers.3.self_attn.attention_probabilities``),
+or a probe's scores (``probes.NAME``: the probe ``NAME`` the harvest is given, read from its block's
+``layer_output``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..steering.probes import Probe
 
 #: Root values that are per token (the others are per prompt or are the inputs themselves).
 ROOT_BEFORE_LAYERS = ("token_embeddings",)
@@ -56,6 +61,10 @@ ATTENTION_INTERIOR = {
     "attention_premix",
     "attention_head_outputs",
 }
+#: The prefix of a probe's value: ``probes.NAME`` is the scores of the probe named ``NAME``.
+PROBES = "probes."
+#: The dtype probe scores are stored in, whatever the harvest's.
+PROBE_DTYPE = "float32"
 #: Values that are, by meaning, one module's output (SAELens hooks a transformers model by module).
 MODULE_OUTPUTS = {
     "layer_output",
@@ -75,11 +84,26 @@ class Selection:
 
     layer: int | None
     key: str  # "layer_output", "self_attn.attention_probabilities", or a root value
+    #: A probe's value: the probe's name and the probe, which reads block ``layer``'s ``key`` (its layer_output).
+    probe: tuple[str, Probe] | None = None
 
     @property
     def name(self) -> str:
-        """The name on disk: ``layers.3.self_attn.attention_probabilities``, or the root value's."""
+        """The name on disk: ``layers.3.self_attn.attention_probabilities``, the root value's, or ``probes.NAME``."""
+        if self.probe is not None:
+            return PROBES + self.probe[0]
         return self.key if self.layer is None else f"layers.{self.layer}.{self.key}"
+
+    @property
+    def source(self) -> str:
+        """The name of the model's value this one is read from (a trace reads each once): its own, or, for a probe's
+        scores, its block's ``layer_output``."""
+        return self.name if self.probe is None else f"layers.{self.layer}.{self.key}"
+
+    def stored_dtype(self, dtype: str) -> str:
+        """The dtype this value is stored in by a harvest storing activations in ``dtype``: probe scores in
+        `PROBE_DTYPE`, the others in ``dtype``."""
+        return dtype if self.probe is None else PROBE_DTYPE
 
     @property
     def value(self) -> str:
@@ -101,10 +125,10 @@ class Selection:
     def module_path(self, model: Any) -> str | None:
         """The path of the module whose output this value is, as the model names it (``model.layers.6``
         for ``layers.6.layer_output`` on a llama), following the family to where the value lives; None
-        for a value that is no module's whole output (a block's input, the attention interior, logits)."""
+        for a value that is no module's whole output (a block's input, the attention interior, logits, a probe's)."""
         from ..components.values import Delegate
 
-        if self.key not in MODULE_OUTPUTS:
+        if self.key not in MODULE_OUTPUTS or self.probe is not None:
             return None
         host = model if self.layer is None else model.layers[self.layer]
         *parents, name = self.key.split(".")
@@ -121,7 +145,10 @@ class Selection:
         return location.removeprefix(root).removesuffix(".output")
 
     def per_token(self, value: torch.Tensor, length: int, context_length: int | None) -> torch.Tensor:
-        """One row's value as ``[tokens, ...]``: the first ``length`` positions, patterns padded to the context."""
+        """One row's value as ``[tokens, ...]``: the first ``length`` positions, patterns padded to the context; a
+        probe's scores of its block's output (`Probe.scores`)."""
+        if self.probe is not None:
+            return self.probe[1].scores(value[0, :length])
         if self.value in HEADS_FIRST:
             value = value.movedim(1, 2)
         value = value[0, :length]
@@ -162,6 +189,9 @@ class Selector:
     key: str
     ranges: tuple[tuple[int, int], ...] | None = None  # (first, last) pairs; None: every layer
     root: bool = False
+    #: A ``probes.NAME`` selector's probe (its name and the `Probe`, reading its block's layer_output; ``key`` and
+    #: ``ranges`` say what it reads, where its layer counts from the first block).
+    probe: tuple[str, Probe] | None = None
 
     @classmethod
     def of(cls, selector: Any) -> Selector:
@@ -193,22 +223,54 @@ class Selector:
         return layers
 
 
-def check_selectors(selectors: Iterable[str] | str, context_length: int | None) -> list[Selector]:
-    """The selectors, their syntax checked before any model is loaded.
+def probe_selector(selector: str, probes: dict[str, Probe]) -> Selector:
+    """The selector ``probes.NAME`` of the probe ``probes[NAME]``; ValueError where there is none, or where the probe
+    keeps positions of its own (the harvest's ``positions`` are every value's)."""
+    name = selector.removeprefix(PROBES)
+    if name not in probes:
+        raise ValueError(f"{selector!r}: no probe named {name!r} in probes= (it holds {sorted(probes) or 'none'})")
+    probe = probes[name]
+    if probe.positions != "all":
+        raise ValueError(
+            f"{selector}: the harvest's positions= choose the tokens of every value; build the probe with "
+            f"positions='all', not {probe.positions!r}"
+        )
+    ranges = None if probe.layer < 0 else ((probe.layer, probe.layer),)  # a negative layer: known with the model
+    return Selector(selector, "layer_output", ranges, probe=(name, probe))
+
+
+def check_selectors(
+    selectors: Iterable[str] | str, context_length: int | None, probes: dict[str, Probe] | None = None
+) -> list[Selector]:
+    """The selectors, their syntax checked before any model is loaded; ``probes.NAME`` against ``probes``.
 
     Raises ValueError (TypeError for a selector that is not a string) naming the selector and
     what would be right: an unknown value, a malformed or backwards layer part, a pattern without
-    a context length. Layer ranges and availability are checked against the model by `parse`.
+    a context length, a probe not in ``probes`` or one of ``probes`` no selector reads. Layer ranges,
+    availability and probe widths are checked against the model by `parse`.
     """
     selectors = [selectors] if isinstance(selectors, str) else selectors
     if not isinstance(selectors, Iterable):
         raise TypeError(f"values must be a selector string or a list of them, not {selectors!r}")
-    parsed = [Selector.of(selector) for selector in selectors]
+    probes = probes or {}
+    parsed = [
+        probe_selector(selector, probes)
+        if isinstance(selector, str) and selector.startswith(PROBES)
+        else Selector.of(selector)
+        for selector in selectors
+    ]
     if not parsed:
         raise ValueError(f"no values to harvest; choose from: {KNOWN}")
     for selector in parsed:
         if selector.key.rsplit(".", 1)[-1] in PATTERNS and context_length is None:
             raise ValueError(f"{selector.text}: harvesting a pattern needs a context length (--context-length)")
+    read = {selector.probe[0] for selector in parsed if selector.probe is not None}
+    unread = [name for name in probes if name not in read]
+    if unread:
+        raise ValueError(
+            f"probes {unread} are given but no value reads them: add {[PROBES + name for name in unread]} to "
+            "values, or leave them out of probes="
+        )
     return parsed
 
 
@@ -232,6 +294,12 @@ def parse(selectors: Iterable[str] | str, model: Any, context_length: int | None
     table = model.support()
     chosen: dict[str, Selection] = {}
     for selector in check_selectors(selectors, context_length):
+        if selector.probe is not None:
+            # Read by the engine itself (`in_engine`), or from the block's layer_output, which every model has.
+            name, probe = selector.probe
+            layer = probe.resolved(name, model.num_layers, model.hidden_size)["layer"]
+            chosen[selector.text] = Selection(layer, selector.key, selector.probe)
+            continue
         if selector.root:
             selections = [Selection(None, selector.key)]
         else:
@@ -248,6 +316,9 @@ def parse(selectors: Iterable[str] | str, model: Any, context_length: int | None
 
 def token_shape(selection: Selection, model: Any, context_length: int | None) -> list[int]:
     """The shape of one token's value on disk."""
+    if selection.probe is not None:
+        classes = selection.probe[1].classes
+        return [] if classes == 1 else [classes]
     value = selection.value
     if value in ("logits", "lm_head_output"):
         return [model.vocab_size]

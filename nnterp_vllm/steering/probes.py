@@ -121,6 +121,14 @@ class Probe:
         """How many scores it reads per token."""
         return self.weight.shape[1]
 
+    def scores(self, stream: torch.Tensor) -> torch.Tensor:
+        """This probe's scores of ``stream`` (``[..., hidden]``, its block's output) as the engine reads them: the
+        product in the stream's dtype, then in float32 the bias added and the activation applied; ``[...]`` for a
+        one-score probe, ``[..., classes]`` otherwise."""
+        weight = self.weight.to(stream.device, stream.dtype)
+        read = activated((stream @ weight).float() + self.bias.to(stream.device), self.activation)
+        return read[..., 0] if self.classes == 1 else read
+
     def resolved(self, name: str, num_layers: int, hidden_size: int) -> dict[str, Any]:
         """This probe in engine form for a model of ``num_layers`` blocks of width ``hidden_size``: its name, block,
         weight (``[classes][hidden]``), bias and activation, and a digest naming what it reads."""
@@ -244,7 +252,7 @@ def gate_passes(read: dict[str, Any], stream: torch.Tensor) -> torch.Tensor:
 
 
 def activated(scores: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """A probe's scores (``[tokens, classes]``) after its activation."""
+    """A probe's scores (``[..., classes]``) after its activation."""
     if activation == "sigmoid":
         return scores.sigmoid()
     if activation == "softmax":
