@@ -60,7 +60,7 @@ def hook_loop(model, tokenizer, layers, positions, correct, wrong) -> torch.Tens
     blocks = model.model.layers
     kept = {}
     handles = [
-        blocks[layer].register_forward_hook(lambda m, a, out, layer=layer: kept.__setitem__(layer, out[0].clone()))
+        blocks[layer].register_forward_hook(lambda m, a, out, layer=layer: kept.__setitem__(layer, out.clone()))
         for layer in layers
     ]
     with torch.no_grad():
