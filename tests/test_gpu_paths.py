@@ -375,8 +375,12 @@ def test_rows_the_writer_thread_is_writing_survive_the_request_growing_meanwhile
             go_on.wait(10)
         return copy(target, source, *args, **kwargs)
 
+    def write() -> None:
+        with torch.inference_mode():  # as the writer thread writes (`RowsLeaving`): the tensors are inference tensors
+            Piece(request, None, 0, 0, 0, 0, 2).write(rows)
+
     monkeypatch.setattr(torch.Tensor, "copy_", held_copy)
-    writer = threading.Thread(target=Piece(request, None, 0, 0, 0, 0, 2).write, args=(rows,), name="writer")
+    writer = threading.Thread(target=write, name="writer")
     writer.start()
     assert halfway.wait(10)
     grower = threading.Thread(target=request.room, args=(4,))
