@@ -107,8 +107,10 @@ class EngineModelRunner:
         batch = self.input_batch
         topk = False
         if self._steerer is not None:
-            for planned in (self._steerer.fill, self._capturer.plan, self._metrics.plan, self._probes.plan):
-                planned(batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+            step = (batch.req_ids, num_scheduled_tokens, batch.num_computed_tokens_cpu, self.requests)
+            for planned in (self._probes.plan, self._capturer.plan, self._metrics.plan):
+                planned(*step)
+            self._steerer.fill(*step, probing=bool(self._probes.step))
             topk = self._steerer.eager
         # nnsight's runner has scoped this step's trace code (`_update_states`): ``busy`` when some runs in it.
         traced = self.nnsight_model.interleaver.busy

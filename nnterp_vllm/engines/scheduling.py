@@ -4,6 +4,8 @@ requests that run trace code apart from the others."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
@@ -66,8 +68,6 @@ class TraceSteps:
     """
 
     def __init__(self, scheduler: Any) -> None:
-        import os
-
         self.scheduler = scheduler
         self.separate = os.environ.get("NNTERP_VLLM_TRACE_STEPS", "separate") == "separate"
         #: Engine seconds each kind (``True``: trace code) took in steps chosen while both waited.
@@ -78,16 +78,16 @@ class TraceSteps:
 
     def new_step(self) -> None:
         """Choose the kind of the step about to be scheduled, and have the other's running requests sit it out."""
-        import time
-
         now = time.monotonic()
         if self.last is not None:
             kind, started = self.last
             self.spent[kind] += now - started
         self.last, self.left_out = None, None
+        if not self.separate:
+            return
         scheduler = self.scheduler
         waiting = {carries_trace(request) for request in [*scheduler.running, *scheduler.waiting]}
-        if not self.separate or len(waiting) < 2:
+        if len(waiting) < 2:
             return
         kind = self.spent[True] / TRACE_SHARE < self.spent[False] / (1 - TRACE_SHARE)
         self.last, self.left_out = (kind, now), not kind

@@ -381,9 +381,6 @@ class SteeredVLLM(SteeringClient, LLM):
             cluster).
     """
 
-    #: The probes (engine form) of the requests the last `submit` added, in order.
-    _submitted_probes: list[dict[str, Any] | None] = []
-
     def __init__(
         self,
         model: Any,
@@ -450,23 +447,21 @@ class SteeredVLLM(SteeringClient, LLM):
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         measured = self.metric_wires(metric, len(prompt_to_seq(prompts)))
-        wires = [
-            wire
-            for _, wire in self.submit(
-                prompts,
-                sampling_params,
-                steering,
-                capture=capture,
-                metrics=measured,
-                probes=probes,
-                lora_request=lora_request,
-                priority=priority,
-                tokenization_kwargs=tokenization_kwargs,
-            )
-        ]
+        submitted = self.submit(
+            prompts,
+            sampling_params,
+            steering,
+            capture=capture,
+            metrics=measured,
+            probes=probes,
+            lora_request=lora_request,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+        )
+        wires = [wire for _, wire, _ in submitted]
+        read = [probe_wire for *_, probe_wire in submitted]
         keys = [wire["key"] for wire in wires if wire is not None]
         metric_keys = [wire["key"] for wire in measured if wire is not None]
-        read = self._submitted_probes
         try:
             outputs = self._run_engine(output_type=RequestOutput, use_tqdm=use_tqdm)
         finally:
@@ -492,14 +487,14 @@ class SteeredVLLM(SteeringClient, LLM):
         destinations: Sequence[dict[str, Any] | None] | None = None,
         metrics: Sequence[dict[str, Any] | None] | None = None,
         probes: Any = None,
-    ) -> list[tuple[str, dict[str, Any] | None]]:
+    ) -> list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]]:
         """Check and add requests as `generate` does, without running the engine: each prompt's request id (as its
-        ``RequestOutput`` carries it) and its capture in engine form (``None`` where it keeps nothing), in order.
+        ``RequestOutput`` carries it), its capture in engine form (``None`` where it keeps nothing) and its probes
+        in engine form (``None`` where it reads none), in order.
         ``llm_engine.step()`` runs them; `take_captured` takes their rows. ``destinations`` (one per prompt,
         `shared_rows.SharedRows.destination`) has the engine keep a capturing request's rows in shared memory the
         caller made; ``metrics`` (one per prompt, `metric_wires`) has it read a metric of each, which
-        `take_metrics` takes; ``probes`` as `generate` takes them (their engine forms, in order, are left in
-        ``_submitted_probes`` for `take_probes`)."""
+        `take_metrics` takes; ``probes`` as `generate` takes them (`take_probes` takes their scores)."""
         from vllm.renderers.inputs.preprocess import prompt_to_seq
 
         prompts = prompt_to_seq(prompts)
@@ -511,12 +506,12 @@ class SteeredVLLM(SteeringClient, LLM):
         rendered = self._preprocess_cmpl(prompts, tokenization_kwargs)
         read = probe_specs.per_prompt(probes, len(prompts))
         requests = [self.steered_request(*request) for request in zip(rendered, params, wanted, kept, read)]
-        self._submitted_probes = [(request[1].extra_args or {}).get(PROBES_KEY) for request in requests]
         for index, measure in enumerate(metrics or ()):
             if measure is not None:
                 engine_input, request_params, wire = requests[index]
                 requests[index] = (engine_input, with_extra(request_params, METRIC_KEY, measure), wire)
         wires = [wire for _, _, wire in requests]
+        read = [(request_params.extra_args or {}).get(PROBES_KEY) for _, request_params, _ in requests]
         for wire, destination in zip(wires, destinations or ()):
             if wire is not None and destination is not None:
                 wire[INTO] = destination
@@ -527,7 +522,7 @@ class SteeredVLLM(SteeringClient, LLM):
             priorities=self._priority_to_seq(priority, len(prompts)),
         )
         # vLLM's engine adds a random suffix to the id it numbered a request with; its outputs carry the number.
-        return [(request_id.split("-", 1)[0], wire) for request_id, wire in zip(ids, wires)]
+        return [(request_id.split("-", 1)[0], wire, probes) for request_id, wire, probes in zip(ids, wires, read)]
 
     def take_captured(self, keys: Sequence[str]) -> dict[str, Any]:
         """The rows the engine kept for the requests whose captures carry ``keys``, handed over and forgotten

@@ -526,9 +526,12 @@ class Steerer:
 
     # -- per step -------------------------------------------------------------------------------------
 
-    def fill(self, request_ids: Sequence[str], scheduled: np.ndarray, computed: np.ndarray, states: dict) -> None:
+    def fill(
+        self, request_ids: Sequence[str], scheduled: np.ndarray, computed: np.ndarray, states: dict, probing: bool
+    ) -> None:
         """Set each scheduled token's row, writing the content of rows and entries not held yet, and whether the
-        step runs eagerly (`eager`).
+        step runs eagerly (`eager`); the operation is idle in an eager step where no token is steered and none is
+        ``probing`` (a probe's score kept this step, `probe_reads.ProbeReader.plan`).
 
         Tokens are laid out as vLLM lays them: the input batch's requests in order, each its
         ``scheduled[i]`` tokens at positions ``computed[i]`` onwards.
@@ -537,12 +540,10 @@ class Steerer:
             self.staged.new_step()
         plan = []
         offset = 0
-        probing = False
         for i, request_id in enumerate(request_ids):
             rows = self.request(request_id, states[request_id])
             if rows is not None:
                 plan.append((offset, int(computed[i]), int(scheduled[i]), rows))
-            probing = probing or PROBES_KEY in (getattr(states[request_id].sampling_params, "extra_args", None) or {})
             offset += int(scheduled[i])
         self.eager = False
         self.buffers.idle = not plan and not probing

@@ -135,7 +135,7 @@ def shards(
             if prompts
             else []
         )
-        for (request_id, wire), probe_wire, prompt, span in zip(submitted, llm._submitted_probes, prompts, spans):
+        for (request_id, wire, probe_wire), prompt, span in zip(submitted, prompts, spans):
             shard.requests[request_id] = (None if wire is None else wire["key"], probe_wire, *span)
             shard.tokens += len(prompt["prompt_token_ids"])
             owner[request_id] = shard
