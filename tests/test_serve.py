@@ -1750,6 +1750,11 @@ def test_two_replicas_on_ray_serve_answer_steered_requests(served):
         cases += [(PROMPT, [Steering(0, served.vectors["posted"], factor=1.5)], {0: "posted"})] * 4
         results = concurrent_tokens(server.url, cases)
         assert results == [expected for _, expected in served.concurrent[:16]] + [served.expected["posted"]] * 4
+        # A steered model registered through one replica serves on every one (one registry for all).
+        assert post(replicas, "/v1/steering/models", {"name": "posted-model", "recipe": "posted@0:1.5"}).is_success
+        for _ in range(4):
+            assert completion_tokens(replicas, None, False, model="posted-model") == served.expected["posted"]
+            assert completion_tokens(replicas, None, False, model="formal") == served.expected["formal"]
     finally:
         status = server.stop(timeout=180)
     assert status == 0, server.log.read_text()[-5000:]
