@@ -56,7 +56,7 @@ from nnterp_vllm import (
     patch_sweep,
 )
 from nnterp_vllm.serve.intake import RequestField, RequestIntake, record
-from nnterp_vllm.serve.server import PROBES, with_probes
+from nnterp_vllm.serve.server import PROBES, STEERING_ROUTES, with_probes
 
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
@@ -92,6 +92,23 @@ SAME_LENGTH = "Hello, how are you?"
 #: Prompts of the concurrent traces, one per client.
 TRACE_PROMPTS = ["Hello world", "The cat", "A dog ran far", "Blue sky", "One two three", "Red", "Green tea", "Paris is"]
 #: Captures of the SAEs' features the server holds (--sae): a TopK SAE's top 4, a standard SAE's chosen features.
+#: Steered models the server starts with (--steered-model): a recipe's short form, and a YAML file of specs.
+FORMAL_RECIPE = "preloaded@1:3.0+preloaded@2:-2.0"
+CAPPED_RECIPE = """\
+- {kind: cap, vector: preloaded, layers: 1, max: -0.5, positions: generated}
+- {vector: control, factor: 2.0}
+"""
+#: The same recipes as a request's steering field.
+RECIPES = {
+    "formal": [
+        {"vector": "preloaded", "layers": 1, "factor": 3.0},
+        {"vector": "preloaded", "layers": 2, "factor": -2.0},
+    ],
+    "capped": [
+        {"kind": "cap", "vector": "preloaded", "layers": 1, "max": -0.5, "positions": "generated"},
+        {"vector": "control", "factor": 2.0},
+    ],
+}
 #: A probe read over HTTP, and gating a spec.
 SERVED_PROBE = Probe(torch.linspace(-1, 1, tiny.SIZES["hidden_size"]), bias=0.1, layer=1)
 #: A patching sweep over HTTP: the prompts, blocks and positions, and the tokens its logit difference reads.
@@ -395,6 +412,7 @@ def served(tmp_path_factory):
             ],
         ),
         "gated": (PROMPT, [Steering(1, found["inline"], factor=3.0, when=(SERVED_PROBE, ">", 0.0))]),
+        "formal": (PROMPT, [Steering(1, found["preloaded"], factor=3.0), Steering(2, found["preloaded"], factor=-2.0)]),
         "patches": (
             PROMPT,
             [
@@ -425,6 +443,8 @@ def served(tmp_path_factory):
     arguments = [str(path), "--served-model-name", MODEL, "--steering-vectors", str(vector_file), f"control={control}"]
     arguments += ["--capture-values", *KEPT, "--max-capture-bytes", str(MAX_CAPTURE_BYTES)]
     arguments += ["--chat-template", str(directory / "chat.jinja")]
+    (directory / "capped.yaml").write_text(CAPPED_RECIPE)
+    arguments += ["--steered-model", f"formal={FORMAL_RECIPE}", f"capped={directory / 'capped.yaml'}"]
     arguments += ["--sae", *(f"{name}={directory / name}" for name in saes)]
     arguments += ["--api-key", KEY, OTHER_KEY, "--max-steering-vectors", str(CAPACITY)]
     # A steering pool smaller than the concurrent requests' distinct vectors: they wait for room, none fails.
@@ -604,18 +624,18 @@ def client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
 
 
-def completion_tokens(served, steering: list[dict] | None, stream: bool) -> list[int]:
+def completion_tokens(served, steering: list[dict] | None, stream: bool, model: str = MODEL) -> list[int]:
     body = {**EXTRA, **({"steering": steering} if steering is not None else {})}
-    response = client(served).completions.create(model=MODEL, prompt=PROMPT, stream=stream, extra_body=body, **GREEDY)
+    response = client(served).completions.create(model=model, prompt=PROMPT, stream=stream, extra_body=body, **GREEDY)
     chunks = list(response) if stream else [response]
     return [token for chunk in chunks for choice in chunk.choices for token in choice.token_ids or []]
 
 
-def chat_tokens(served, steering: list[dict] | None, stream: bool) -> tuple[list[int], list[int]]:
+def chat_tokens(served, steering: list[dict] | None, stream: bool, model: str = MODEL) -> tuple[list[int], list[int]]:
     """The generated tokens and the prompt's tokens as the server rendered them."""
     body = {**EXTRA, **({"steering": steering} if steering is not None else {})}
     response = client(served).chat.completions.create(
-        model=MODEL, messages=MESSAGES, stream=stream, extra_body=body, **GREEDY
+        model=model, messages=MESSAGES, stream=stream, extra_body=body, **GREEDY
     )
     chunks = list(response) if stream else [response]
     prompt = [t for c in chunks for t in (getattr(c, "prompt_token_ids", None) or [])]
@@ -678,9 +698,101 @@ def test_patch_entries_equal_the_steered_engine(served):
 
 
 def test_models_health_and_usage_are_vllms(served):
-    assert [model.id for model in client(served).models.list().data] == [MODEL]
+    assert [model.id for model in client(served).models.list().data][0] == MODEL
     response = client(served).completions.create(model=MODEL, prompt=PROMPT, extra_body=EXTRA, **GREEDY)
     assert response.usage.prompt_tokens == len(PROMPT) and response.usage.completion_tokens == STEPS
+
+
+def test_steered_models_are_listed_with_the_base_model_as_their_parent(served):
+    listed = {model.id: model for model in client(served).models.list().data}
+    assert list(listed) == [MODEL, "capped", "formal"]
+    assert listed["formal"].parent == listed["capped"].parent == MODEL and listed[MODEL].parent is None
+    recipes = httpx.get(served.url + "/v1/steering/models", headers=AUTH).json()["data"]
+    assert [(entry["name"], entry["parent"]) for entry in recipes] == [("capped", MODEL), ("formal", MODEL)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", ["formal", "capped"])
+def test_a_steered_name_answers_as_its_recipe_sent_as_steering(served, name, stream):
+    """Asking for a steered model (a short-form recipe, a YAML file's) is the base model with the recipe as the
+    request's steering, on completions and chat, whole and streamed; the response names the model asked for."""
+    expected = completion_tokens(served, RECIPES[name], stream)
+    assert completion_tokens(served, None, stream, model=name) == expected != served.expected["plain"]
+    if name == "formal":
+        assert expected == served.expected["formal"]
+    assert chat_tokens(served, None, stream, model=name)[0] == chat_tokens(served, RECIPES[name], stream)[0]
+    response = client(served).completions.create(model=name, prompt=PROMPT, stream=stream, **GREEDY)
+    models = {chunk.model for chunk in response} if stream else {response.model}
+    assert models == {name}
+
+
+def test_a_steered_names_recipe_goes_before_the_requests_own_steering(served):
+    own = as_json(served.steered)
+    tokens = completion_tokens(served, own, stream=False, model="formal")
+    assert tokens == completion_tokens(served, RECIPES["formal"] + own, stream=False)
+    assert tokens not in (served.expected["formal"], served.expected["steered"])
+
+
+def test_steered_models_registered_at_run_time_serve_every_steering_route_until_deleted(served):
+    models_url = "/v1/steering/models"
+    recipe = [{"kind": "ablate", "vector": "preloaded", "layers": "all"}, {"layers": 0, "vector": "control"}]
+    created = post(served, models_url, {"name": "plainer", "steering": recipe})
+    assert created.status_code == 201, created.text
+    assert created.json() == {"object": "steering.model", "name": "plainer", "parent": MODEL, "steering": recipe}
+    assert post(served, models_url, {"name": "plainer", "steering": recipe}).status_code == 200  # the same again
+    conflict = post(served, models_url, {"name": "plainer", "recipe": "preloaded@0"})
+    assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "name"
+    assert "plainer" in [model.id for model in client(served).models.list().data]
+    assert completion_tokens(served, None, False, model="plainer") == completion_tokens(served, recipe, False)
+    for path in STEERING_ROUTES:
+        body = route_body(path, None)
+        steered = post(served, path, {**body, "model": "plainer"})
+        assert steered.status_code == 200, (path, steered.text)
+        by_hand = post(served, path, {**body, "steering": recipe})
+        assert route_texts(path, steered.json()) == route_texts(path, by_hand.json()), path
+    short = post(served, models_url, {"name": "shorter", "recipe": "preloaded@0-2:-1.5"})
+    assert short.status_code == 201 and short.json()["steering"] == [
+        {"kind": "add", "vector": "preloaded", "layers": [0, 1, 2], "factor": -1.5}
+    ]
+    for name in ("plainer", "shorter"):
+        assert httpx.delete(served.url + f"{models_url}/{name}", headers=AUTH).json()["deleted"] is True
+    unknown = post(served, "/v1/completions", {"model": "never-registered", "prompt": PROMPT})
+    gone = post(served, "/v1/completions", {"model": "plainer", "prompt": PROMPT})
+    assert gone.status_code == unknown.status_code == 404
+    assert gone.json()["error"]["type"] == unknown.json()["error"]["type"]
+    assert "plainer" in gone.json()["error"]["message"]
+    missing = httpx.delete(served.url + f"{models_url}/plainer", headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"name": "x", "steering": [{"vector": "preloaded", "layers": 9}]}, "steering[0].layers", "layers"),
+        ({"name": "x", "steering": [{"vector": "nowhere", "layers": 1}]}, "steering", "no vector is registered"),
+        (
+            {"name": "x", "steering": [{"kind": "clamp", "sae": "res1", "feature": 10**6, "value": 1.0}]},
+            "steering[0].feature",
+            "features",
+        ),
+        ({"name": "x", "recipe": "preloaded@one"}, "recipe", r"VECTOR@LAYER\[:FACTOR\]"),
+        ({"name": "x", "recipe": "preloaded@2-1"}, "recipe", "run backwards"),
+        ({"name": "x", "recipe": "/etc/recipe.yaml"}, "recipe", "not a file's name"),
+        ({"name": "x", "steering": [], "recipe": "preloaded@1"}, "steering", "exactly one"),
+        ({"name": "x", "steering": []}, "steering", "at least one spec"),
+        ({"name": MODEL, "recipe": "preloaded@1"}, "name", "base model's name"),
+        ({"name": "a/b", "recipe": "preloaded@1"}, "name", "letters, digits"),
+        ({"name": "x", "recipe": "preloaded@1", "factor": 2}, "factor", "unknown field 'factor'"),
+        (b"{not json", None, "the body is not JSON"),
+    ],
+)
+def test_bad_steered_model_registrations_are_refused_with_400_naming_the_field(served, body, param, message):
+    response = post(served, "/v1/steering/models", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert re.search(message, error["message"]), error["message"]
+    assert [model.id for model in client(served).models.list().data] == [MODEL, "capped", "formal"]
 
 
 def concurrent_tokens(url: str, cases: list[tuple[str, list[Steering], dict[int, str]]]) -> list[list[int]]:
@@ -1638,6 +1750,11 @@ def test_two_replicas_on_ray_serve_answer_steered_requests(served):
         cases += [(PROMPT, [Steering(0, served.vectors["posted"], factor=1.5)], {0: "posted"})] * 4
         results = concurrent_tokens(server.url, cases)
         assert results == [expected for _, expected in served.concurrent[:16]] + [served.expected["posted"]] * 4
+        # A steered model registered through one replica serves on every one (one registry for all).
+        assert post(replicas, "/v1/steering/models", {"name": "posted-model", "recipe": "posted@0:1.5"}).is_success
+        for _ in range(4):
+            assert completion_tokens(replicas, None, False, model="posted-model") == served.expected["posted"]
+            assert completion_tokens(replicas, None, False, model="formal") == served.expected["formal"]
     finally:
         status = server.stop(timeout=180)
     assert status == 0, server.log.read_text()[-5000:]
@@ -1741,12 +1858,53 @@ def test_bad_steering_vectors_sources_are_refused_naming_the_entry(tmp_path):
         read_vector_sources([f"a={control}", f"b={control}"], HIDDEN, 1)
 
 
-def test_the_command_line_refuses_a_bad_vector_file_in_one_line_before_the_engine_starts(tmp_path):
+def test_bad_steered_model_entries_are_refused_naming_the_entry(tmp_path):
+    from nnterp_vllm.serve.steered_models import read_steered_model_sources
+
+    (tmp_path / "dict.yaml").write_text("kind: add")
+    (tmp_path / "wrong.json").write_text('[{"vector": "v", "layers": 1, "factor": "big"}]')
+    vectors = {"v": torch.ones(HIDDEN), "per_layer": {0: torch.ones(HIDDEN)}}
+    cases = [
+        (["formal"], "the form is NAME=RECIPE"),
+        (["formal="], "the form is NAME=RECIPE"),
+        (["formal=v@1", "formal=v@2"], "two entries name 'formal'"),
+        (["formal=v"], r"a recipe is VECTOR@LAYER\[:FACTOR\]"),
+        (["formal=v@1:big"], "the factor is a number, got 'big'"),
+        (["formal=v@4"], r"\(steering\[0\]\.layers\): .*layer\(s\) \[4\] do not exist"),
+        (["formal=w@1"], r"\(steering\): .*\['w'\], which no vector is registered as"),
+        (["formal=per_layer@1"], r"\(steering\[0\]\.layers\): .*'per_layer' carries layers \[0\], not \[1\]"),
+        ([f"formal={tmp_path / 'missing.yaml'}"], "no recipe file"),
+        ([f"formal={tmp_path / 'dict.yaml'}"], "holds dict; a recipe file holds a list"),
+        ([f"formal={tmp_path / 'wrong.json'}"], r"\(steering\[0\]\.factor\)"),
+        (["tiny=v@1"], "the base model's name"),
+    ]
+    for entries, message in cases:
+        with pytest.raises(ValueError, match=f"--steered-model {re.escape(entries[-1])}.*{message}"):
+            read_steered_model_sources(entries, 3, HIDDEN, 12, vectors, {}, [MODEL])
+    read = read_steered_model_sources(["a=v@0-2:0.5+per_layer@0"], 3, HIDDEN, 12, vectors, {}, [MODEL])
+    assert read["a"].steering == [
+        {"kind": "add", "vector": "v", "layers": [0, 1, 2], "factor": 0.5},
+        {"kind": "add", "vector": "per_layer", "layers": 0, "factor": 1.0},
+    ]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("vectors", "vector 'short'"),
+        ("models", "--steered-model formal=nowhere@1 (steering): 'formal' steers with ['nowhere'], which no vector"),
+    ],
+)
+def test_the_command_line_refuses_a_bad_vector_file_or_recipe_in_one_line_before_the_engine_starts(
+    tmp_path, entry, message
+):
     path = tmp_path / "vectors.safetensors"
-    save_file({"short": torch.zeros(7)}, str(path))
+    save_file({"short": torch.zeros(7)} if entry == "vectors" else {"v": torch.zeros(HIDDEN)}, str(path))
     command = [SERVE, "serve", str(tiny.checkpoint("llama")), "--steering-vectors", str(path)]
+    if entry == "models":
+        command += ["--steered-model", "formal=nowhere@1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("nnterp-vllm: error:")]
-    assert "vector 'short'" in line and "[hidden_size] = [128]" in line
+    assert message in line
     assert "EngineCore" not in result.stderr  # refused before any engine process

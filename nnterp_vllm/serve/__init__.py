@@ -1,10 +1,12 @@
 """``nnterp-vllm serve``: vLLM's OpenAI-compatible server where every request may carry its own steering.
 
-``nnterp-vllm serve MODEL [vLLM engine and server arguments] [--steering-vectors FILE] [--replicas N]``
+``nnterp-vllm serve MODEL [vLLM engine and server arguments] [--steering-vectors FILE] [--steered-model NAME=RECIPE]
+[--replicas N]``
 takes every argument ``vllm serve`` takes (vLLM's own parser) and serves what ``vllm serve`` serves,
 with the ``steering`` request field on its generation routes (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/chat/completions/batch``, ``/v1/messages``, ``/v1/responses``, ``/invocations``) and the vector
-registry at ``/v1/steering/vectors`` (`server`). ``--replicas N`` runs N replicas behind one endpoint
+registry at ``/v1/steering/vectors`` (`server`); a steered model's name as ``model`` steers by its recipe
+(`steered_models`). ``--replicas N`` runs N replicas behind one endpoint
 on Ray Serve (`replicas`). ``--traces`` also runs nnsight traces sent with ``model.trace(..., serve=url,
 api_key=key)`` (`traces`). Importing this package loads no vLLM; `main` does.
 """
@@ -33,7 +35,8 @@ def main(argv: Sequence[str]) -> int:
     from .command_line import parse
     from .fields import read_vector_sources
     from .registry import Registry, VectorRegistry
-    from .server import engine_args, run_server
+    from .server import engine_args, run_server, steering_specs_bound
+    from .steered_models import read_steered_model_sources
 
     cli_env_setup()
     args = parse(argv)
@@ -43,9 +46,19 @@ def main(argv: Sequence[str]) -> int:
     hidden_size = vllm_config.model_config.get_hidden_size()
     capacity = args.max_steering_vectors
     vectors = read_vector_sources(args.steering_vectors or [], hidden_size, capacity)
+    num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+    models = read_steered_model_sources(
+        args.steered_model or [],
+        num_layers,
+        hidden_size,
+        steering_specs_bound(args, num_layers),
+        vectors,
+        {sae.name: sae for sae in args.sae},
+        args.served_model_name or [args.model],
+    )
     if args.replicas > 1:
         from .replicas import run_replicas
 
-        return run_replicas(args, list(argv), vectors)
-    uvloop.run(run_server(args, Registry(VectorRegistry(vectors, capacity)), arguments, vllm_config))
+        return run_replicas(args, list(argv), vectors, models)
+    uvloop.run(run_server(args, Registry(VectorRegistry(vectors, capacity, models)), arguments, vllm_config))
     return 0

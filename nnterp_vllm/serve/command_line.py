@@ -18,7 +18,9 @@ may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers
 "vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
 "positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
-/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. With --traces, nnsight traces sent
+/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. A steered model
+(--steered-model NAME=RECIPE, or POST /v1/steering/models) is a name a request sends as its model to be steered by
+the name's recipe, for clients that cannot send steering (evaluation harnesses). With --traces, nnsight traces sent
 with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a checkpoint directory, a hub id, or 'smollm2'
 (the embedded default)."""
 
@@ -43,6 +45,15 @@ def parser() -> Any:
         help="vectors registered at start: a safetensors file of named [hidden_size] vectors (each under its "
         "name), or [NAME=]FILE[#FEATURE], a vector made elsewhere (a repeng .gguf, a steering-vectors dict saved "
         "with torch.save or as safetensors, a SAELens directory and its feature) registered per layer under NAME",
+    )
+    steering.add_argument(
+        "--steered-model",
+        metavar="NAME=RECIPE",
+        nargs="+",
+        help="steered models: a request naming NAME as its model is the base model steered by RECIPE (listed in "
+        "/v1/models with the base model as parent); RECIPE is VECTOR@LAYER[:FACTOR] or VECTOR@FIRST-LAST[:FACTOR] "
+        "for a registered vector (several joined by '+'), or a .json/.yaml file of specs in the steering field's "
+        "format; more are registered at /v1/steering/models",
     )
     steering.add_argument(
         "--sae",

@@ -13,6 +13,10 @@ front of vLLM's app (`RequestIntake`, a pure ASGI middleware):
 - a field sent to a route that does not serve it, and ``vllm_xargs`` keys reserved for the server, are
   answered 400: nothing is accepted and ignored, nothing unchecked reaches the engine.
 
+A request naming a steered model (``"model": NAME``, `steered_models`) on a route that serves ``steering`` is
+read whatever it holds: its name is swapped for the base model's before vLLM reads the body, the recipe's specs
+go before the request's own ``steering``, and its response names the steered model again.
+
 A field whose result goes back in the response (``capture``, ``probes``) has a ``respond`` step, handed what the
 request recorded (`record`): the request's JSON response is held until its end, handed to it, and sent on; a
 streamed response (server-sent events) goes out as it comes, each chunk that finishes a choice (the one carrying
@@ -104,6 +108,8 @@ class RequestFields:
     taken: dict[str, Any]
     checked: dict[str, Any] = dataclasses.field(default_factory=dict)
     recorded: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: The steered model the request asked for (its response names it), if it asked for one.
+    model: str | None = None
 
 
 _CURRENT: contextvars.ContextVar[RequestFields | None] = contextvars.ContextVar("nnterp_vllm_fields", default=None)
@@ -148,7 +154,8 @@ class RequestIntake:
 
     A path of ``own_bounds`` (``{path: (bytes, message)}``, routes that are not vLLM's JSON API; a path ending in
     ``/`` stands for every path under it) has a bound of its own, answered 413 with its message (also as FastAPI's
-    ``detail``); its body is handed on as it came."""
+    ``detail``); its body is handed on as it came. With ``steered_models`` (`steered_models.SteeredModelNames`),
+    a request on a route of the field ``steered_field`` asking for a steered model gets its recipe in that field."""
 
     def __init__(
         self,
@@ -156,11 +163,15 @@ class RequestIntake:
         fields: Sequence[RequestField],
         max_body_bytes: int,
         own_bounds: Mapping[str, tuple[int, str]] | None = None,
+        steered_models: Any = None,
+        steered_field: str = "steering",
     ) -> None:
         self.app = app
         self.fields = {field.name: field for field in fields}
         self.max_body_bytes = max_body_bytes
         self.own_bounds = dict(own_bounds or {})
+        self.steered_models = steered_models
+        self.steered_field = steered_field
         # A body holding none of these bytes holds none of the fields (JSON may spell a key with \u escapes).
         self.markers = [f'"{name}"'.encode() for name in self.fields] + [b"\\u", RESERVED_PREFIX.encode()]
 
@@ -199,26 +210,34 @@ class RequestIntake:
         if own is not None:
             await self.app(scope, _replay(body, receive), send)
             return
+        steered = self.steered_models is not None and path in self.fields[self.steered_field].routes
+        asked = None
         try:
-            stripped, fields = (None, {})
-            if any(marker in body for marker in self.markers):
-                stripped, fields = await asyncio.to_thread(self._take, body, path)
+            parsed, fields = (None, {})
+            if steered or any(marker in body for marker in self.markers):
+                parsed, fields = await asyncio.to_thread(self._take, body, path)
+            if steered and parsed is not None:
+                recipe = await self.steered_models.recipe(parsed.get("model"))
+                if recipe is not None:
+                    asked, parsed["model"] = parsed["model"], self.steered_models.base_names[0]
+                    fields[self.steered_field] = [*recipe, *fields.get(self.steered_field, [])]
         except InvalidField as error:
             await refusal(error)(scope, receive, send)
             return
-        if stripped is not None:
-            body = stripped
+        if fields:
+            body = await asyncio.to_thread(lambda: json.dumps(parsed).encode())
             headers = [(key, value) for key, value in scope["headers"] if key != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        request = RequestFields(fields) if fields else None
+        request = RequestFields(fields, model=asked) if fields else None
         _CURRENT.set(request)
         responding = [self.fields[name] for name in fields if self.fields[name].respond is not None]
-        if responding:
+        if responding or asked is not None:
             send = _responding(send, request, responding)
         await self.app(scope, _replay(body, receive), send)
 
-    def _take(self, body: bytes, path: str) -> tuple[bytes | None, dict[str, Any]]:
-        """The body without our fields (``None``: unchanged) and each field as read; raises `InvalidField`."""
+    def _take(self, body: bytes, path: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """The body as parsed, without our fields (``None``: not a JSON object), and each field as read; raises
+        `InvalidField`."""
         try:
             parsed = decode_json(body)
         except (ValueError, RecursionError):
@@ -231,22 +250,19 @@ class RequestIntake:
             raise InvalidField(
                 f"vllm_xargs: {reserved[0]!r} is reserved for the server; send steering instead", "vllm_xargs"
             )
-        names = [name for name in self.fields if name in parsed]
-        if not names:
-            return None, {}
         read = {}
-        for name in names:
+        for name in [name for name in self.fields if name in parsed]:
             field = self.fields[name]
             if path not in field.routes:
                 raise InvalidField(f"{name} is not served on {path}; it is served on {', '.join(field.routes)}", name)
             read[name] = field.read(parsed.pop(name))
-        return json.dumps(parsed).encode(), read
+        return parsed, read
 
 
 def _responding(send: Send, request: RequestFields, fields: Sequence[RequestField]) -> Send:
-    """A ``send`` that lets each field's ``respond`` add to a successful response: a JSON one is held until its end
-    and sent whole; a streamed one (server-sent events) is sent as it comes, each chunk finishing a choice with it
-    (`_finishing`)."""
+    """A ``send`` that lets each field's ``respond`` add to a successful response, and names the steered model the
+    request asked for in it: a JSON one is held until its end and sent whole; a streamed one (server-sent events) is
+    sent as it comes, each chunk named and each finishing a choice with the fields' additions (`_finishing`)."""
     held: list[Message] = []
     streamed = False
     pending = b""  # a streamed event not yet ended by its blank line
@@ -279,6 +295,8 @@ def _responding(send: Send, request: RequestFields, fields: Sequence[RequestFiel
         body = json.loads(b"".join(part.get("body", b"") for part in parts))
         for field in fields:
             field.respond(body, request.recorded.get(field.name, {}))
+        if request.model is not None and "model" in body:
+            body["model"] = request.model
         encoded = json.dumps(body).encode()
         headers = [(key, value) for key, value in start["headers"] if key != b"content-length"]
         await send({**start, "headers": [*headers, (b"content-length", str(len(encoded)).encode())]})
@@ -288,15 +306,19 @@ def _responding(send: Send, request: RequestFields, fields: Sequence[RequestFiel
 
 
 def _finishing(event: bytes, request: RequestFields, fields: Sequence[RequestField]) -> bytes:
-    """A streamed event (``data: <chunk as JSON>``) as it goes out: where its chunk finishes choices (their
-    ``finish_reason`` set), with each field's ``respond`` given them and what the request recorded."""
+    """A streamed event (``data: <chunk as JSON>``) as it goes out: naming the steered model the request asked for,
+    and where its chunk finishes choices (their ``finish_reason`` set), with each field's ``respond`` given them and
+    what the request recorded."""
     if not event.startswith(b"data: {"):
         return event
     chunk = json.loads(event.removeprefix(b"data: "))
     finished = [choice for choice in chunk.get("choices") or () if choice.get("finish_reason") is not None]
-    if not finished:
+    renamed = request.model is not None and "model" in chunk
+    if renamed:
+        chunk["model"] = request.model
+    if not finished and not renamed:
         return event
-    for field in fields:
+    for field in fields if finished else ():
         field.respond({"choices": finished}, request.recorded.get(field.name, {}))
     return b"data: " + json.dumps(chunk).encode()
 

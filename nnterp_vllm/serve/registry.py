@@ -1,8 +1,9 @@
-"""The vector registry: named steering vectors that requests refer to by name.
+"""The vector registry: named steering vectors that requests refer to by name, and the steered models (names a
+request may ask for as ``model``, each a recipe of specs: `steered_models`).
 
 One `VectorRegistry` per server; with ``--replicas N`` one for all replicas (a Ray Serve deployment of
-the same class), so a vector registered through any replica steers requests on every one. The server
-talks to either through `Registry`, which awaits the call where it runs.
+the same class), so a vector or steered model registered through any replica serves requests on every one. The
+server talks to either through `Registry`, which awaits the call where it runs.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ def same(one: Vector, other: Vector) -> bool:
 
 class VectorRegistry:
     """At most ``capacity`` named float32 vectors of one model's width (checked by the caller), each one vector or
-    one per layer."""
+    one per layer, and at most ``capacity`` steered models (`steered_models.SteeredModel`, checked by the caller)."""
 
-    def __init__(self, vectors: dict[str, Vector] | None = None, capacity: int = CAPACITY) -> None:
+    def __init__(
+        self, vectors: dict[str, Vector] | None = None, capacity: int = CAPACITY, models: dict[str, Any] | None = None
+    ) -> None:
         self._vectors = dict(vectors or {})
         self._capacity = capacity
+        self._models = dict(models or {})
 
     def add(self, name: str, vector: Vector) -> str:
         """Register ``vector`` as ``name``: ``"created"``, ``"exists"`` (the same vector), ``"conflict"`` (another
@@ -67,6 +71,34 @@ class VectorRegistry:
     def get(self, names: Iterable[str]) -> dict[str, Vector]:
         """The vectors registered under ``names`` (names not registered are left out)."""
         return {name: self._vectors[name] for name in names if name in self._vectors}
+
+    def add_model(self, model: Any) -> str:
+        """Register a steered model under its name: ``"created"``, ``"exists"`` (the same recipe), ``"conflict"``
+        (another) or ``"full"``."""
+        held = self._models.get(model.name)
+        if held is None:
+            if len(self._models) >= self._capacity:
+                return "full"
+            self._models[model.name] = model
+            return "created"
+        return "exists" if held == model else "conflict"
+
+    def remove_model(self, name: str) -> bool:
+        """Forget the steered model ``name``; whether it was registered."""
+        return self._models.pop(name, None) is not None
+
+    def model_names(self) -> list[str]:
+        """The steered models' names, sorted."""
+        return sorted(self._models)
+
+    def model_listing(self) -> list[tuple[str, list[Any]]]:
+        """Each steered model's name and recipe as the wire format spells it, by name."""
+        return [(name, model.steering) for name, model in sorted(self._models.items())]
+
+    def recipe(self, name: str) -> list[dict[str, Any]] | None:
+        """The read specs of the steered model ``name`` (``None`` if there is none)."""
+        model = self._models.get(name)
+        return None if model is None else model.read
 
 
 class Registry:

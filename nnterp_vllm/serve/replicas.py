@@ -3,7 +3,8 @@
 Each replica is a Ray Serve deployment replica holding its own steered engine and vLLM's app over it
 (the same `build_app` as the single server); Ray Serve's HTTP proxy listens on ``--host``/``--port`` and
 spreads requests over the replicas. The vector registry is one more deployment (one replica, no CPU
-reserved) that every replica asks, so a vector registered through any replica steers on all of them.
+reserved) that every replica asks, so a vector or steered model registered through any replica steers on all of
+them.
 The process that runs this is the driver: it starts a local Ray cluster unless ``--ray-address`` names
 one (`ray_cluster.connected`: loopback, no token under the home directory, nothing left behind), and on
 SIGTERM or SIGINT shuts Serve down (replicas drain their requests, then stop their engines) and then Ray.
@@ -47,7 +48,9 @@ class SteeringReplica:
         await self._engine.__aexit__(None, None, None)
 
 
-def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor]) -> int:
+def run_replicas(
+    args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor], models: dict[str, Any]
+) -> int:
     """Serve ``args.replicas`` replicas of ``argv``'s server at ``args.host:args.port`` until SIGTERM/SIGINT."""
     from ..ray_cluster import connected
 
@@ -58,11 +61,11 @@ def run_replicas(args: argparse.Namespace, argv: list[str], vectors: dict[str, t
     setup = {"worker_process_setup_hook": f"{__package__}.prepare_ray_worker"}
     with connected(args.ray_address, include_dashboard=False, runtime_env=setup):
         signal.signal(signal.SIGTERM, interrupt)  # ray.init installs its own (exit at once, status 15)
-        _serve(args, argv, vectors)
+        _serve(args, argv, vectors, models)
     return 0
 
 
-def _serve(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor]) -> None:
+def _serve(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.Tensor], models: dict[str, Any]) -> None:
     from ray import serve
 
     from ..engines.vllm_platform import is_cpu_platform
@@ -82,7 +85,9 @@ def _serve(args: argparse.Namespace, argv: list[str], vectors: dict[str, torch.T
             ray_actor_options=resources,
         )
         serve.run(
-            replica.bind(argv, registry.bind(vectors, args.max_steering_vectors)), name=APP_NAME, route_prefix="/"
+            replica.bind(argv, registry.bind(vectors, args.max_steering_vectors, models)),
+            name=APP_NAME,
+            route_prefix="/",
         )
         print(f"nnterp-vllm serve: {args.replicas} replicas on http://{args.host or '0.0.0.0'}:{args.port}", flush=True)
         while True:

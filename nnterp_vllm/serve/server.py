@@ -13,6 +13,8 @@ own (``vllm.entrypoints``); this module adds, in the shape of a vLLM endpoint pl
   specs stay with the request (`intake.check`), where `SteeringEngineClient` hands them to the steered
   engine (which adds the cache salt and the engine form);
 - ``/v1/steering/vectors`` (POST, GET, DELETE): the `VectorRegistry` that specs name vectors from;
+- ``/v1/steering/models`` (POST, GET, DELETE) and ``/v1/models``: steered models, names a request asks for as
+  ``model`` to be steered by their recipe (`steered_models`);
 - a ``capture`` field (`Capture` as JSON) on the routes of `CAPTURE_ROUTES`, checked as ``steering`` is (and
   bounded by ``--max-capture-bytes``); the rows the engine kept come back in each choice's ``activations``:
   ``{name: {"shape", "dtype", "data": base64 of the raw little-endian bytes}}``.
@@ -58,8 +60,10 @@ from .fields import (
     with_vectors,
 )
 from .guard import GuardEveryRoute, api_keys
-from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, record, taken
+from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, limit_message, record, taken
 from .registry import Registry
+from .steered_models import MODELS_PATH, SteeredModelCards, SteeredModelNames
+from .steered_models import router as steered_models_router
 from .traces import add_route, runs_no_edits
 from .traces import body_bound as trace_body_bound
 
@@ -374,8 +378,9 @@ class SteeringEndpoints:
         self.registry = registry
 
     def attach_router(self, app: FastAPI) -> None:
-        """Add the ``/v1/steering/vectors`` routes."""
+        """Add the ``/v1/steering/vectors`` and ``/v1/steering/models`` routes."""
         app.include_router(router)
+        app.include_router(steered_models_router)
 
     def attach_guards(self, app: FastAPI, engine: SteeringEngineClient, args: argparse.Namespace) -> None:
         """Put `RequestIntake` (body bound, ``steering`` read off the event loop) and, with ``--api-key``,
@@ -396,8 +401,13 @@ class SteeringEndpoints:
         ]
         # In front of the app's whole stack (vLLM's SageMaker bootstrap has built it already).
         stack = app.middleware_stack or app.build_middleware_stack()
-        own_bounds = trace_body_bound(args) if args.traces else {}
-        stack = RequestIntake(stack, fields, body_bound(args, max_specs, engine.hidden_size), own_bounds)
+        bound = body_bound(args, max_specs, engine.hidden_size)
+        # A steered model's registration carries a recipe in the steering field's format, read by its own route.
+        own_bounds = {MODELS_PATH: (bound, limit_message(bound)), **(trace_body_bound(args) if args.traces else {})}
+        names = SteeredModelNames(self.registry, args.served_model_name or [args.model])
+        app.state.steered_model_names = names
+        app.state.max_steering_specs = max_specs
+        stack = RequestIntake(stack, fields, bound, own_bounds, names, STEERING)
         if keys := api_keys(args):
             stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)
         app.middleware_stack = stack
@@ -409,6 +419,11 @@ class SteeringEndpoints:
         their steering mixin, which keeps their state and adds only the step after rendering.
         """
         state.steering_registry = self.registry
+        models = state.openai_serving_models
+        models.__class__ = type(
+            f"Steered{type(models).__name__}", (SteeredModelCards, type(models)), {"__doc__": SteeredModelCards.__doc__}
+        )
+        models.steering_registry = self.registry
         for attribute, mixin in HANDLERS.items():
             handler = getattr(state, attribute, None)
             if handler is not None:
