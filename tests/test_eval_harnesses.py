@@ -33,6 +33,8 @@ from test_serve import CHAT_TEMPLATE, ENGINE, Server
 
 #: The base model's served name.
 MODEL = "tiny"
+#: The server's API key (--api-key): lm-eval sends OPENAI_API_KEY's, Inspect SERVICE_API_KEY's.
+KEY = "harness-key"
 #: The registered vectors: unit directions, so that a factor is the size of what steering adds.
 VECTOR_NAMES = ("formal", "casual")
 #: Each steered name's recipe as given to --steered-model, and the same steering as a request's field.
@@ -82,7 +84,7 @@ def served(tmp_path_factory):
     (directory / "chat.jinja").write_text(CHAT_TEMPLATE)
     arguments = [str(path), "--served-model-name", MODEL, "--steering-vectors", str(vectors)]
     arguments += ["--steered-model", f"formal={FORMAL}", f"blend={recipe}"]
-    arguments += ["--chat-template", str(directory / "chat.jinja")]
+    arguments += ["--chat-template", str(directory / "chat.jinja"), "--api-key", KEY]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
     server = Server(arguments, directory / "server.log")
     try:
@@ -91,7 +93,7 @@ def served(tmp_path_factory):
             url=server.url,
             path=path,
             tokenizer=tiny.tokenizer(),
-            client=openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60),
+            client=openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60),
             log=server.log,
         )
     finally:
@@ -101,6 +103,12 @@ def served(tmp_path_factory):
 def steering_body(specs: list[dict]) -> dict:
     """A request's ``extra_body``: the recipe's steering, or nothing (the unsteered base model)."""
     return {"extra_body": {"steering": specs}} if specs else {}
+
+
+def test_the_steered_names_are_listed_with_the_base_model_as_parent(served):
+    listed = {card.id: card for card in served.client.models.list().data}
+    assert set(listed) == {MODEL, "formal", "blend"}
+    assert listed["formal"].parent == listed["blend"].parent == MODEL
 
 
 # lm-evaluation-harness
@@ -146,8 +154,22 @@ def generated(served, specs: list[dict], context: str) -> str:
 
 def by_hand(served, specs: list[dict]) -> SimpleNamespace:
     """Every loglikelihood (per document, per choice) and generation the two lm-eval tasks ask for, asked by hand."""
-    choices = [[loglikelihood(served, specs, doc["question"], " " + choice) for choice in doc["choices"]] for doc in CHOICE_DOCS]
-    return SimpleNamespace(choices=choices, generations=[generated(served, specs, prompt) for prompt in GENERATE_PROMPTS])
+    choices = [
+        [loglikelihood(served, specs, doc["question"], " " + choice) for choice in doc["choices"]]
+        for doc in CHOICE_DOCS
+    ]
+    return SimpleNamespace(
+        choices=choices, generations=[generated(served, specs, prompt) for prompt in GENERATE_PROMPTS]
+    )
+
+
+def likeliest(choices: list[tuple[float, bool]]) -> int:
+    """The choice with the highest loglikelihood (the first of equals, as lm-eval's ``acc`` takes it)."""
+    return max(range(len(choices)), key=lambda choice: choices[choice][0])
+
+
+def unlikeliest(choices: list[tuple[float, bool]]) -> int:
+    return min(range(len(choices)), key=lambda choice: choices[choice][0])
 
 
 def write_lm_eval_tasks(directory: Path, golds: list[int], targets: list[str]) -> None:
@@ -184,15 +206,16 @@ def write_lm_eval_tasks(directory: Path, golds: list[int], targets: list[str]) -
 
 
 def lm_eval_run(served, name: str, directory: Path) -> dict:
-    """lm-eval's own run of the two tasks on the served ``name``, samples logged."""
+    """lm-eval's own run of the two tasks on the served ``name``, samples logged. Its model arguments are the
+    guide's (the tokenizer left to lm-eval's ``auto``, which takes the one named, the server having no
+    ``/tokenizer_info``), with ``max_length`` the server's ``--max-model-len``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     model_args = f"base_url={served.url}/v1/completions,model={name},tokenizer={served.path}"
-    model_args += f",tokenizer_backend=huggingface,max_length={ENGINE['max_model_len']},timeout={HARNESS_SECONDS}"
     return lm_eval.simple_evaluate(
         model="local-completions",
-        model_args=model_args,
+        model_args=f"{model_args},max_length={ENGINE['max_model_len']},timeout={HARNESS_SECONDS}",
         tasks=["steer_choice", "steer_generate"],
         task_manager=TaskManager(include_path=str(directory), include_defaults=False),
         log_samples=True,
@@ -210,19 +233,18 @@ def lm_eval_answers(results: dict) -> SimpleNamespace:
     )
 
 
-def test_lm_eval_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp_path):
+def test_lm_eval_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp_path, monkeypatch):
     """lm-eval's local-completions on ``formal``: per-sample loglikelihoods (and greediness), generations, accuracy
     and exact match equal the same requests made by hand on the base model with ``formal``'s recipe in
     ``extra_body``; on the base name, lm-eval's answers are the unsteered ones, and differ."""
     steered, base = by_hand(served, FORMAL_SPECS), by_hand(served, [])
     # Gold answers: the steered model's likeliest choice for half the documents, its least likely for the others;
-    # generation targets: the steered model's answer for half the prompts.
-    golds = [
-        max(range(len(lls)), key=lambda c: lls[c][0]) if i % 2 == 0 else min(range(len(lls)), key=lambda c: lls[c][0])
-        for i, lls in enumerate(steered.choices)
-    ]
+    # generation targets: the steered model's answer for half the prompts. Its scores are then 0.5 and 0.5.
+    golds = [likeliest(lls) if i % 2 == 0 else unlikeliest(lls) for i, lls in enumerate(steered.choices)]
     targets = [text if i % 2 == 0 else NO_ANSWER for i, text in enumerate(steered.generations)]
     write_lm_eval_tasks(tmp_path, golds, targets)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    scores = {}
     for name, hand in (("formal", steered), (MODEL, base)):
         found = lm_eval_answers(lm_eval_run(served, name, tmp_path))
         assert len(found.choices) == len(CHOICE_DOCS) and len(found.generations) == len(GENERATE_PROMPTS)
@@ -230,34 +252,38 @@ def test_lm_eval_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp
             assert [greedy for _, greedy in got] == [greedy for _, greedy in expected], (name, doc)
             assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], rel=1e-5, abs=1e-5), (name, doc)
         assert found.generations == hand.generations, name
-        acc = sum(
-            max(range(len(lls)), key=lambda c: lls[c][0]) == gold for lls, gold in zip(hand.choices, golds)
-        ) / len(golds)
+        acc = sum(likeliest(lls) == gold for lls, gold in zip(hand.choices, golds)) / len(golds)
         exact = sum(text == target for text, target in zip(hand.generations, targets)) / len(targets)
-        assert (found.acc, found.exact_match) == pytest.approx((acc, exact)), name
-    # Steering applied: every document's loglikelihoods and the scores moved.
+        scores[name] = (found.acc, found.exact_match)
+        assert scores[name] == pytest.approx((acc, exact)), name
+    assert scores["formal"] == (0.5, 0.5)
+    # Steering applied: every document's loglikelihoods, the generations and the scores moved.
     for doc, (got, unsteered) in enumerate(zip(steered.choices, base.choices)):
         assert [ll for ll, _ in got] != pytest.approx([ll for ll, _ in unsteered], abs=1e-3), doc
     assert steered.generations != base.generations
+    assert scores["formal"] != scores[MODEL]
 
 
 # Inspect AI
 
 
-def chat_answer(served, specs: list[dict], content: str) -> str:
-    """A chat completion asked as Inspect's ``openai-api`` provider asks for one: the sample's input as the user's
-    message, greedy, ``max_tokens`` from the run's settings."""
+def chat_answer(served, specs: list[dict], content: str) -> tuple[str, list[float]]:
+    """A chat completion asked as Inspect's ``openai-api`` provider asks for one (the sample's input as the user's
+    message; greedy, ``max_tokens`` and ``logprobs`` from the run's settings): its text and its tokens' log
+    probabilities."""
     response = served.client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": content}],
         max_tokens=CHAT_MAX_TOKENS,
         temperature=0,
+        logprobs=True,
         **steering_body(specs),
     )
-    return response.choices[0].message.content or ""
+    choice = response.choices[0]
+    return choice.message.content or "", [token.logprob for token in choice.logprobs.content]
 
 
-INSPECT_TASK = '''
+INSPECT_TASK = """
 from inspect_ai import Task, task
 from inspect_ai.dataset import Sample
 from inspect_ai.scorer import includes
@@ -273,24 +299,25 @@ def steered_chat():
         solver=generate(),
         scorer=includes(),
     )
-'''
+"""
 
 
 def test_inspect_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp_path):
     """``inspect eval`` with ``openai-api/nnterp/blend`` (base URL and key from its environment): per-sample
-    completions and scores and the accuracy equal hand-made chat completions on the base model with ``blend``'s
-    recipe (a JSON file) in ``extra_body``; the base name's run answers unsteered, and differs."""
-    steered = [chat_answer(served, BLEND_SPECS, text) for text in CHAT_INPUTS]
-    base = [chat_answer(served, [], text) for text in CHAT_INPUTS]
+    completions, their tokens' log probabilities, scores and the accuracy equal hand-made chat completions on the
+    base model with ``blend``'s recipe (a JSON file) in ``extra_body``; the base name's run answers unsteered, and
+    differs."""
+    steered, steered_logprobs = zip(*(chat_answer(served, BLEND_SPECS, text) for text in CHAT_INPUTS))
+    base, base_logprobs = zip(*(chat_answer(served, [], text) for text in CHAT_INPUTS))
     assert steered != base
     targets = [answer if i % 2 == 0 and answer.strip() else NO_ANSWER for i, answer in enumerate(steered)]
     task = tmp_path / "steered_chat.py"
     task.write_text(INSPECT_TASK.format(samples=list(zip(CHAT_INPUTS, targets))))
-    names = {"blend": steered, MODEL: base}
+    names = {"blend": (steered, steered_logprobs), MODEL: (base, base_logprobs)}
     env = {
         **os.environ,
         f"{SERVICE.upper()}_BASE_URL": f"{served.url}/v1",
-        f"{SERVICE.upper()}_API_KEY": "none",
+        f"{SERVICE.upper()}_API_KEY": KEY,
         # Inspect's own data and cache directories (traces, sample buffers) in the test's directory.
         "XDG_DATA_HOME": str(tmp_path / "data"),
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
@@ -298,8 +325,8 @@ def test_inspect_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp
     # Relative: inspect eval refuses an absolute path to a task file.
     command = [str(Path(sys.executable).with_name("inspect")), "eval", task.name]
     command += ["--model", ",".join(f"openai-api/{SERVICE}/{name}" for name in names)]
-    command += ["--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS), "--log-dir", str(tmp_path / "logs")]
-    command += ["--display", "none"]
+    command += ["--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS), "--logprobs"]
+    command += ["--log-dir", str(tmp_path / "logs"), "--display", "none"]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HARNESS_SECONDS, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -312,9 +339,12 @@ def test_inspect_on_a_steered_name_scores_as_its_recipe_sent_by_hand(served, tmp
         name = log.eval.model.rsplit("/", 1)[1]
         assert log.status == "success", (name, log.error)
         samples = sorted(log.samples, key=lambda sample: sample.id)
-        completions = [sample.output.completion for sample in samples]
-        assert completions == names[name], name
-        expected = [target.casefold() in answer.casefold() for answer, target in zip(names[name], targets)]
+        answers, logprobs = names[name]
+        assert [sample.output.completion for sample in samples] == list(answers), name
+        for sample, expected in zip(samples, logprobs):
+            found = [token.logprob for token in sample.output.choices[0].logprobs.content]
+            assert found == pytest.approx(expected, rel=1e-5, abs=1e-5), (name, sample.id)
+        expected = [target.casefold() in answer.casefold() for answer, target in zip(answers, targets)]
         assert [sample.scores["includes"].value == "C" for sample in samples] == expected, name
         (score,) = log.results.scores
         accuracy[name] = score.metrics["accuracy"].value
