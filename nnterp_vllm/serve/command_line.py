@@ -18,9 +18,9 @@ may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers
 "vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
 "positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
-/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. With --traces, nnsight traces sent
-with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a checkpoint directory, a hub id, or 'smollm2'
-(the embedded default)."""
+/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors; GET /playground tries steering in a
+browser. With --traces, nnsight traces sent with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a
+checkpoint directory, a hub id, or 'smollm2' (the embedded default)."""
 
 
 def parser() -> Any:
