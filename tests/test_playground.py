@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_serve import Server
 
+from nnterp_vllm.serve.traces import TRACE_PATH
+
 HIDDEN = tiny.SIZES["hidden_size"]
 MODEL = "tiny"
 KEY = "playground-key"
@@ -239,7 +241,8 @@ def test_a_registered_vector_reads_back_and_a_missing_one_is_a_404_naming_it(ser
 def test_the_page_asks_for_the_key_and_its_cookie_opens_only_same_origin_requests(served):
     """Without a key the page's paths answer the sign-in form (401) and every other path 401 as before; a wrong key
     is refused, a cross-site form 403; the right key comes back as an HttpOnly SameSite=Strict cookie that opens
-    the page, its files and the API, but not to a request from another origin; the key is never logged."""
+    the page, its files and the API, but not to a request from another origin, nor the routes taking code; the key
+    is never logged."""
     logged = served.log.read_text().count(KEY)
     for path in ("/", "/playground"):
         response = httpx.get(served.url + path)
@@ -267,6 +270,7 @@ def test_the_page_asks_for_the_key_and_its_cookie_opens_only_same_origin_request
         assert browser.post("/v1/completions", json=body, headers=own).status_code == 200
         other = browser.post("/v1/completions", json=body, headers={"Origin": "http://elsewhere.test"})
         assert other.status_code == 401
+        assert browser.post(TRACE_PATH, content=b"code").status_code == 401  # code is sent with the key itself
     forged = httpx.get(served.url + "/playground/model.json", cookies={"nnterp_vllm_key": "wrong"})
     assert forged.status_code == 401
     assert served.log.read_text().count(KEY) == logged

@@ -2,11 +2,11 @@
 
 Open without a key: ``/health`` and ``/ping`` (a load balancer's liveness probes), and ``/metrics`` with
 ``--metrics-without-api-key`` (a Prometheus scraper). On the routes of traces and edits the key may also come as
-nnsight's client sends it (``ndif-api-key: <key>``); from a browser, as the playground's cookie (a same-origin
-request only; `playground.sign_in` sets it, and answers the page's paths with its form while a browser holds no
-key). Everything else, ``/invocations``, ``/tokenize`` and
-the vector registry included, answers 401 to a request without a valid key before anything reads its
-body or looks anything up, so the answer tells nothing about what exists.
+nnsight's client sends it (``ndif-api-key: <key>``); on every other route, from a browser, as the playground's
+cookie (on a same-origin request only; `playground.sign_in` sets it, and answers the page's paths with its form
+while a browser holds no key). Everything else, ``/invocations``, ``/tokenize`` and the vector registry included,
+answers 401 to a request without a valid key before anything reads its body or looks anything up, so the answer
+tells nothing about what exists.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GuardEveryRoute(AuthenticationMiddleware):
         if self.is_open(path) or self.verify_token(headers):
             return self.app(scope, receive, send)
         cookie = cookie_parser(headers.get("cookie", "")).get(KEY_COOKIE)
-        if cookie and same_origin(scope, headers) and self.valid_key(cookie):
+        if cookie and not tracing and same_origin(scope, headers) and self.valid_key(cookie):
             return self.app(with_bearer(scope, cookie), receive, send)
         if tracing and self.valid_key(headers.get(NNSIGHT_KEY_HEADER)):
             return self.app(with_bearer(scope, headers[NNSIGHT_KEY_HEADER]), receive, send)
