@@ -37,6 +37,8 @@ STEPS = 10
 PRESSES = 8
 STRENGTH = PRESSES * 0.5
 FEATURE = 4
+#: A steered model: the vector at the block, at the strength the slider is moved to.
+STEERED = "calmer"
 INSTALL = "apt-get install -y --no-install-recommends chromium chromium-driver"
 BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 SECONDS = 120
@@ -61,6 +63,7 @@ def served(tmp_path_factory):
     save_file({VECTOR: vector}, str(directory / "vectors.safetensors"))
     arguments = [str(checkpoint), "--served-model-name", MODEL, "--api-key", KEY, *ENGINE]
     arguments += ["--steering-vectors", str(directory / "vectors.safetensors"), "--sae", f"{SAE}={directory / SAE}"]
+    arguments += ["--steered-model", f"{STEERED}={VECTOR}@{BLOCK}:{STRENGTH}"]
     server = Server(arguments, directory / "server.log")
     try:
         server.wait_ready()
@@ -135,9 +138,7 @@ def run_page(driver, served, choose) -> dict:
     steps.send_keys(str(STEPS))
     choose(driver)
     driver.find_element(By.ID, "run").click()
-    WebDriverWait(driver, SECONDS).until(
-        expected_conditions.text_to_be_present_in_element((By.ID, "status"), "Done.")
-    )
+    WebDriverWait(driver, SECONDS).until(expected_conditions.text_to_be_present_in_element((By.ID, "status"), "Done."))
     assert driver.find_element(By.ID, "error").text == ""
     shown = {}
     for name in ("plain", "steered"):
@@ -225,6 +226,30 @@ def test_an_sae_feature_clamped_in_the_page_answers_as_the_api(served, browser):
         page = shown[name]
         assert (page["text"], page["token_ids"], page["strip"]) == (answer["text"], answer["token_ids"], False)
     assert answers["steered"]["token_ids"] != answers["plain"]["token_ids"]  # the clamp steered
+
+
+@needs_browser
+def test_a_steered_model_chosen_in_the_page_answers_as_the_api_and_its_recipes_vector_is_projected(served, browser):
+    """The steered-model choice: ``calmer`` (the vector at block 1, strength 4) completes as the API answers a request
+    for that model, and the strip reads the projection on its recipe's vector at its block."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    def choose(driver) -> None:
+        driver.find_element(By.CSS_SELECTOR, "input[name=kind][value=model]").click()
+        Select(driver.find_element(By.ID, "steered-model")).select_by_value(STEERED)
+        assert VECTOR in driver.find_element(By.ID, "recipe").text
+
+    shown = run_page(browser, served, choose)
+    probes = {"probes": {"projection": {"weight": unit(served.vector.tolist()), "bias": 0, "layer": BLOCK}}}
+    answers = {"plain": completion(served, probes), "steered": completion(served, {"model": STEERED, **probes})}
+    by_hand = completion(served, {"steering": [{"layers": BLOCK, "vector": VECTOR, "factor": STRENGTH}]})
+    assert answers["steered"]["token_ids"] == by_hand["token_ids"] != answers["plain"]["token_ids"]
+    for name, answer in answers.items():
+        page = shown[name]
+        assert (page["text"], page["token_ids"]) == (answer["text"], answer["token_ids"]), name
+        scores = answer["probes"]["projection"][-STEPS:]
+        torch.testing.assert_close(torch.tensor(page["values"]), torch.tensor(scores), rtol=1e-4, atol=1e-4)
 
 
 def test_a_registered_vector_reads_back_and_a_missing_one_is_a_404_naming_it(served):

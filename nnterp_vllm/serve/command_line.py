@@ -18,17 +18,11 @@ may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers
 "vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
 "positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
-<<<<<<< HEAD
 /v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. A steered model
 (--steered-model NAME=RECIPE, or POST /v1/steering/models) is a name a request sends as its model to be steered by
-the name's recipe, for clients that cannot send steering (evaluation harnesses). With --traces, nnsight traces sent
-with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a checkpoint directory, a hub id, or 'smollm2'
-(the embedded default)."""
-=======
-/v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors; GET /playground tries steering in a
+the name's recipe, for clients that cannot send steering (evaluation harnesses). GET /playground tries steering in a
 browser. With --traces, nnsight traces sent with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a
 checkpoint directory, a hub id, or 'smollm2' (the embedded default)."""
->>>>>>> playground
 
 
 def parser() -> Any:

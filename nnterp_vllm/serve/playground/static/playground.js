@@ -1,12 +1,12 @@
 // The playground page: one prompt completed twice at temperature 0, unsteered and steered, both streamed from
-// /v1/completions. Steered by a vector, both are read by a probe whose weight is the vector's unit direction at its
-// block, so each generated token shows the projection of that block's output (before the vector is added) at the
-// step that chose it.
+// /v1/completions. Steered by a vector (or a steered model whose recipe adds one), both are read by a probe whose
+// weight is the vector's unit direction at its block, so each generated token shows the projection of that block's
+// output (before the vector is added) at the step that chose it.
 "use strict";
 
 const PROBE = "projection";
 const $ = (id) => document.getElementById(id);
-const state = { model: null, layers: 0, saes: [], vectors: [], values: new Map() };
+const state = { model: null, layers: 0, saes: [], vectors: [], models: [], values: new Map() };
 
 async function fetched(path, options) {
   const response = await fetch(path, options);
@@ -50,11 +50,18 @@ function showFeatureRange() {
   $("feature").max = sae ? sae.features - 1 : 0;
 }
 
+function showRecipe() {
+  const entry = state.models.find((model) => model.name === $("steered-model").value);
+  $("recipe").textContent = entry ? `Recipe: ${JSON.stringify(entry.steering)}` : "";
+}
+
 async function load() {
-  const [models, model, vectors] = await Promise.all([
-    json("/v1/models"), json("/playground/model.json"), json("/v1/steering/vectors"),
+  const [models, model, vectors, steered] = await Promise.all([
+    json("/v1/models"), json("/playground/model.json"), json("/v1/steering/vectors"), json("/v1/steering/models"),
   ]);
-  const base = models.data[0];
+  const base = models.data.find((entry) => !entry.parent);
+  state.models = steered.data;
+  options($("steered-model"), steered.data.map((entry) => [entry.name, entry.name]));
   state.model = base.id;
   state.layers = model.num_layers;
   state.saes = model.saes;
@@ -62,7 +69,8 @@ async function load() {
   $("model-name").textContent = `${base.id} (${model.num_layers} blocks, width ${model.hidden_size})`;
   options($("vector"), vectors.data.map((entry) => [entry.name, entry.name]));
   options($("sae"), model.saes.map((entry) => [entry.name, `${entry.name} (block ${entry.layer}, ${entry.features} features)`]));
-  for (const [value, offered] of [["vector", vectors.data.length], ["sae", model.saes.length]]) {
+  const offers = [["vector", vectors.data.length], ["sae", model.saes.length], ["model", steered.data.length]];
+  for (const [value, offered] of offers) {
     const radio = document.querySelector(`input[name=kind][value=${value}]`);
     radio.disabled = !offered;
     if (!offered) radio.parentElement.append(" (none on this server)");
@@ -76,6 +84,7 @@ async function load() {
   showKind();
   showBlocks();
   showFeatureRange();
+  showRecipe();
 }
 
 async function direction(name, block) {
@@ -88,18 +97,31 @@ async function direction(name, block) {
   return norm > 0 ? vector.map((x) => x / norm) : null;
 }
 
-// What the steered request adds to the unsteered one's body, and the probe both read (null: none).
+// The probe reading the projection on a registered vector's unit direction at a block (null: a zero vector).
+async function projection(name, block) {
+  const weight = await direction(name, block);
+  return weight ? { [PROBE]: { weight, bias: 0, layer: block } } : null;
+}
+
+// What the steered request adds to the unsteered one's body, the probe both read (null: none) and its block.
 async function steering() {
   const which = kind();
   if (which === "sae") {
     const spec = { kind: "clamp", sae: $("sae").value, feature: Number($("feature").value), value: Number($("clamp").value) };
     return { added: { steering: [spec] }, probes: null };
   }
+  if (which === "model") {
+    const entry = state.models.find((model) => model.name === $("steered-model").value);
+    // The strip reads the first registered vector the recipe adds, at its first block.
+    const added = entry.steering.find((spec) => (spec.kind ?? "add") === "add" && typeof spec.vector === "string");
+    const block = added ? [added.layers].flat()[0] : null;
+    const probes = added && block !== undefined ? await projection(added.vector, block) : null;
+    return { added: { model: entry.name }, probes, block };
+  }
   const name = $("vector").value;
   const block = Number($("block").value);
   const added = { steering: [{ layers: block, vector: name, factor: Number($("factor").value) }] };
-  const weight = await direction(name, block);
-  return { added, probes: weight ? { [PROBE]: { weight, bias: 0, layer: block } } : null };
+  return { added, probes: await projection(name, block), block };
 }
 
 // Streams one completion, calling onChoice with each chunk's choice.
@@ -205,7 +227,7 @@ async function run(event) {
       return_token_ids: true,
       logprobs: 0,
     };
-    const { added, probes } = await steering();
+    const { added, probes, block } = await steering();
     const plain = completion("plain");
     const steered = completion("steered");
     const read = probes ? { probes } : {};
@@ -213,7 +235,7 @@ async function run(event) {
       stream({ ...body, ...read }, plain.onChoice),
       stream({ ...body, ...added, ...read }, steered.onChoice),
     ]);
-    if (probes) showStrips([plain.found, steered.found], $("block").value);
+    if (probes) showStrips([plain.found, steered.found], block);
     $("status").textContent = "Done.";
   } catch (error) {
     $("error").textContent = error.message;
@@ -230,6 +252,7 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const radio of document.querySelectorAll("input[name=kind]")) radio.addEventListener("change", showKind);
   $("vector").addEventListener("change", showBlocks);
   $("sae").addEventListener("change", showFeatureRange);
+  $("steered-model").addEventListener("change", showRecipe);
   $("run-form").addEventListener("submit", run);
   load().catch((error) => {
     $("error").textContent = error.message;
