@@ -90,6 +90,14 @@ def parser() -> Any:
         help="caps, ablations and SAE feature clamps one token may have at one block (slots of each pool entry)",
     )
     steering.add_argument(
+        "--steering-values",
+        metavar="VALUE",
+        nargs="+",
+        help="the values the steering operation acts at (default: all of layer_output, attention_output, mlp_output, "
+        "layer_input): with layer_output alone it runs once per block instead of about three times per block each "
+        "step, and specs needing the others (a patch of a sublayer, an ablation everywhere) are answered 400",
+    )
+    steering.add_argument(
         "--max-steering-specs",
         type=int,
         help="specs one request may carry (default: 4 per layer of the model)",

@@ -462,7 +462,12 @@ def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     """The steered engine's arguments from the parsed command line (vLLM's engine arguments and ours)."""
     arguments = AsyncEngineArgs.from_cli_args(args)
     return steered_engine_args(
-        arguments, args.capture_values, args.sae, args.steering_directions_per_block, args.max_steering_entries
+        arguments,
+        args.capture_values,
+        args.sae,
+        args.steering_directions_per_block,
+        args.max_steering_entries,
+        steering_values=args.steering_values,
     )
 
 

@@ -102,9 +102,7 @@ async def sign_in(scope: Scope, receive: Receive, send: Send, headers: Headers, 
         form = await read_form(receive)
         key = (form or {}).get("key", "")
         if not key or not valid(key):
-            response = sign_in_page(
-                "That is not a key this server was started with (--api-key): enter one of those."
-            )
+            response = sign_in_page("That is not a key this server was started with (--api-key): enter one of those.")
         else:
             response = RedirectResponse(PAGE_PATH, status_code=HTTPStatus.SEE_OTHER.value)
             response.set_cookie(
