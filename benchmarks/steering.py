@@ -5,7 +5,8 @@ compiled mode); SteeredVLLM with no steering, with every request steered by one 
 layer, at 8 layers, with each request's own vector (at one layer, and at 8: as many distinct vectors as prompts in
 the steering pool), with one direction ablated at every residual-stream location (`Ablate`) and capped at 8
 layers (`Cap`); SteeredVLLM built to steer nothing (``max_steering_entries=0``: no steering operation in its
-graph, the cost of the operation itself); StandardizedVLLM (nnsight) steering every
+graph, the cost of the operation itself), and built to steer the blocks' outputs only (``steering_values=
+["layer_output"]``: the operation once per block); StandardizedVLLM (nnsight) steering every
 step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
 does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
 
@@ -56,10 +57,21 @@ STEERED = (
 #: SteeredVLLM built to steer nothing (no steering operation in its graph, as the harvest builds it): what the
 #: operation itself costs, against "SteeredVLLM, no steering".
 NO_OPERATION = "SteeredVLLM built to steer nothing"
+#: SteeredVLLM built to steer the blocks' outputs only (``steering_values=["layer_output"]``): the operation once per
+#: block, not at what each attention and MLP adds nor at the first block's input.
+BLOCKS_ONLY = "SteeredVLLM built to steer block outputs only"
 #: Phases of (engine -> the configurations it measures, whether it is measured every round): the engines
 #: of a phase are alive together and measured in turn; the slow baselines, far from plain vLLM, once.
 PHASES = [
-    ({"plain vLLM": ["plain"], "SteeredVLLM": list(STEERED), NO_OPERATION: [STEERED[0]]}, True),
+    (
+        {
+            "plain vLLM": ["plain"],
+            "SteeredVLLM": list(STEERED),
+            NO_OPERATION: [STEERED[0]],
+            BLOCKS_ONLY: [*STEERED[:5], STEERED[6]],
+        },
+        True,
+    ),
     ({"plain vLLM, compilation off": ["plain"], "SteeredVLLM, compilation off": [STEERED[1]]}, True),
     ({"StandardizedVLLM (nnsight)": ["steering every step"]}, False),
     ({"transformers generate": ["steering hook"]}, False),
@@ -142,6 +154,7 @@ ENGINES = {
     "plain vLLM": (plain_vllm, {}),
     "SteeredVLLM": (steered_vllm, {}),
     NO_OPERATION: (steered_vllm, {"max_steering_entries": 0, "max_probe_columns": 0}),
+    BLOCKS_ONLY: (steered_vllm, {"steering_values": ["layer_output"]}),
     "plain vLLM, compilation off": (plain_vllm, {"enforce_eager": True}),
     "SteeredVLLM, compilation off": (steered_vllm, {"enforce_eager": True}),
     "StandardizedVLLM (nnsight)": (nnsight_vllm, {}),

@@ -30,7 +30,7 @@ from .memory import Ledger, check_room, engine_buffers
 from .probe_reads import ProbeReader
 from .sae_encoding import place_saes
 from .saving import SAVED_BYTES_KEY, SavedBytes, mark_in_worker
-from .steered_settings import CONFIG_KEY, held_saes, sizes_of
+from .steered_settings import CONFIG_KEY, STEERING_VALUES_SETTING, held_saes, sizes_of
 from .steering_table import Steerer
 from .vllm_platform import (
     WORKER_CLASSES,
@@ -97,7 +97,8 @@ class EngineModelRunner:
         self._ledger = Ledger(buffers, self.device)
         placed, encoding = place_saes(held_saes(self.vllm_config), self._ledger)
         topk = {layer: sae for layer, sae in placed.items() if sae.architecture == "topk"}
-        self._steerer = Steerer(model, self.vllm_config, self._ledger, topk, encoding)
+        steering_values = self.vllm_config.additional_config[CONFIG_KEY][STEERING_VALUES_SETTING]
+        self._steerer = Steerer(model, self.vllm_config, self._ledger, topk, encoding, steering_values)
         self._capturer = Capturer(model, self.vllm_config, names, self._ledger, placed, encoding)
         self._metrics = MetricReader(model)
         self._probes = ProbeReader(self._steerer.buffers.probe_scores)

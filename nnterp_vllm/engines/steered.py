@@ -367,6 +367,12 @@ class SteeredVLLM(SteeringClient, LLM):
         max_probe_columns: Probe columns (each class of a `steering.probes.Probe` a request reads, and each gate's
             read) the engine reads at every block as one small product, and so holds at once (16 by default; 0 reads
             none: no probes, no gates).
+        steering_values: The values the steering operation acts at, among `steering.specs.STEERING_VALUES` (all
+            of them by default): ``"layer_output"`` (always: every `Steering`, `Cap` and `Clamp` acts there), and
+            ``"attention_output"``, ``"mlp_output"``, ``"layer_input"`` (a `Patch` of a sublayer, an `Ablate` at
+            every location). The operation runs at every place it acts at on every step, steered or not: an engine
+            built with ``["layer_output"]`` runs it once per block instead of about three times, and refuses the
+            specs that need the others.
         capture_values: The values requests may keep (`Capture`'s selectors, e.g. ``"layers.*.layer_output"``),
             or ``None`` (the default) for none. Each is one buffer row of ``max_num_batched_tokens x
             hidden_size`` in the model's dtype, written by a static operation inside the compiled graph.
@@ -388,6 +394,7 @@ class SteeredVLLM(SteeringClient, LLM):
         steering_directions_per_block: int = DIRECTIONS_PER_BLOCK,
         max_steering_entries: int | None = None,
         max_probe_columns: int = PROBE_COLUMNS,
+        steering_values: Sequence[str] | None = None,
         capture_values: Any = None,
         saes: Any = None,
         **kwargs: Any,
@@ -401,6 +408,7 @@ class SteeredVLLM(SteeringClient, LLM):
             steering_directions_per_block,
             max_steering_entries,
             max_probe_columns,
+            steering_values,
         )
         kwargs = {name: value for name, value in kwargs.items() if name not in TAKEN} | settings
         with socket_directory(self):

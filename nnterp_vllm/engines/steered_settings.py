@@ -34,6 +34,8 @@ SAES_SETTING = "saes"
 STEERING_ENTRIES = "max_steering_entries"
 #: ``additional_config``'s key of the probe columns read at every block (`steering.probes`).
 PROBE_COLUMNS_SETTING = "max_probe_columns"
+#: The setting naming the values the steering operation acts at (`specs.STEERING_VALUES` by default).
+STEERING_VALUES_SETTING = "steering_values"
 #: vLLM engine arguments the steered engine sets itself or cannot serve.
 _REFUSED = {
     "worker_cls": "the steered engine runs its own worker (vLLM's worker for the platform, re-classed runner)",
@@ -57,12 +59,14 @@ def steering_settings(
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
     steering_entries: int | None = None,
     probe_columns: int = PROBE_COLUMNS,
+    steering_values: Sequence[str] | None = None,
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
 
     The steering worker and scheduler, its settings in ``additional_config`` (the steering pool's entries,
     ``steering_entries``, by default as many as the memory model gives (`memory.default_steering_entries`), and
-    direction slots per entry, the values it keeps, ``capture_values``, and the SAEs it holds, ``saes`` (loaded and
+    direction slots per entry, the values the steering operation acts at, ``steering_values``
+    (`checked_steering_values`), the values it keeps, ``capture_values``, and the SAEs it holds, ``saes`` (loaded and
     checked by `held_saes`), among them; they also key vLLM's compile cache apart from plain vLLM's) and this
     platform's defaults (`engine_kwargs`). Refuses what the steered engine cannot serve, a model no vLLM family
     serves, and values it cannot keep, before anything loads.
@@ -85,6 +89,7 @@ def steering_settings(
     ):
         if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < least):
             raise ValueError(f"{setting} must be an int >= {least}, got {number!r}")
+    steering_values = checked_steering_values(steering_values)
     choose_model_runner("the steered engine")
     no_saved_graphs("the steered engine")
     config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
@@ -101,6 +106,7 @@ def steering_settings(
         STEERING_ENTRIES: steering_entries,
         PROBE_COLUMNS_SETTING: probe_columns,
         "directions_per_block": directions_per_block,
+        STEERING_VALUES_SETTING: steering_values,
         "code": _code_digest(),
         CAPTURE_SETTING: kept,
         SAES_SETTING: [
@@ -116,6 +122,26 @@ def steering_settings(
         "worker_cls": worker_class(),
         "scheduler_cls": SCHEDULER,
     }
+
+
+def checked_steering_values(values: Sequence[str] | None) -> list[str]:
+    """``steering_values`` checked: some of `specs.STEERING_VALUES`, ``layer_output`` among them (every spec but an
+    ablation everywhere or a patch of a sublayer acts there); all of them for ``None``. ValueError naming the fix."""
+    if values is None:
+        return list(specs.STEERING_VALUES)
+    if isinstance(values, str) or not all(isinstance(value, str) for value in values):
+        raise ValueError(f"steering_values is a list of value names from {list(specs.STEERING_VALUES)}, got {values!r}")
+    unknown = [value for value in values if value not in specs.STEERING_VALUES]
+    if unknown:
+        raise ValueError(
+            f"steering_values: {unknown[0]!r} is not a value the steering operation acts at; choose among "
+            f"{list(specs.STEERING_VALUES)}"
+        )
+    if "layer_output" not in values:
+        raise ValueError(
+            "steering_values must hold 'layer_output': every Steering, Cap and Clamp acts at the blocks' outputs"
+        )
+    return [value for value in specs.STEERING_VALUES if value in values]
 
 
 def kept_values(
@@ -183,10 +209,11 @@ def steered_engine_args(
     directions_per_block: int = DIRECTIONS_PER_BLOCK,
     steering_entries: int | None = None,
     probe_columns: int = PROBE_COLUMNS,
+    steering_values: Sequence[str] | None = None,
 ) -> EngineArgs:
     """A copy of vLLM ``EngineArgs`` (or ``AsyncEngineArgs``) that builds a steered engine keeping
     ``capture_values``, holding ``saes``, its steering pool of ``steering_entries`` entries (the memory model's
-    default where ``None``) of ``directions_per_block`` direction slots each."""
+    default where ``None``) of ``directions_per_block`` direction slots each, acting at ``steering_values``."""
     names = (
         "dtype",
         "worker_cls",
@@ -206,7 +233,14 @@ def steered_engine_args(
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
     loaded = held(engine_args.model, given, saes)
     settings = steering_settings(
-        engine_args.model, given, capture_values, loaded, directions_per_block, steering_entries, probe_columns
+        engine_args.model,
+        given,
+        capture_values,
+        loaded,
+        directions_per_block,
+        steering_entries,
+        probe_columns,
+        steering_values,
     )
     return dataclasses.replace(engine_args, **settings)
 

@@ -41,7 +41,7 @@ from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
-from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, feature_change
+from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, STEERING_VALUES, feature_change
 from .capture import locate, runs
 from .memory import STEERING_PARAMS, Ledger
 from .sae_encoding import DeviceSAE
@@ -363,6 +363,7 @@ class Steerer:
         ledger: Ledger,
         topk: dict[int, DeviceSAE],
         encoding: torch.Tensor | None,
+        steering_values: Sequence[str] = STEERING_VALUES,
     ) -> None:
         model_config = vllm_config.model_config
         model_type = Standardized._model_type(model_config.hf_config)
@@ -385,7 +386,7 @@ class Steerer:
             block.nnterp_layer_output = value
             block.register_forward_hook(steer_block)
         #: Why a value other than ``layer_output`` cannot be steered on this model, by value (``None``: it can).
-        self.unwritable = self._hook_locations(model, model_type, steers)
+        self.unwritable = self._hook_locations(model, model_type, steers, steering_values)
         # On an accelerator the token rows and each new entry's and row's content are written into pinned host
         # memory (the memory model's "... written" buffers) and copied over without blocking, on the compute
         # stream, before the step's forward. `fill` runs inside vLLM's input preparation, which (under async
@@ -408,16 +409,25 @@ class Steerer:
         #: Whether the step being prepared must run eagerly (a token in it clamps a TopK SAE's feature).
         self.eager = False
 
-    def _hook_locations(self, model: torch.nn.Module, model_type: str, steers: bool) -> dict[str, str | None]:
+    def _hook_locations(
+        self, model: torch.nn.Module, model_type: str, steers: bool, steering_values: Sequence[str]
+    ) -> dict[str, str | None]:
         """Hook the pool's locations beside the blocks' outputs (what each attention and MLP adds, the stream entering
-        the first block: `steering_pool.location`), located through the family as capture locates values, where the
-        engine ``steers``. A value the family cannot write at some block is hooked at none: its reason, by value."""
+        the first block: `steering_pool.location`) that are among ``steering_values``, located through the family as
+        capture locates values, where the engine ``steers``. A value the family cannot write at some block, or the
+        engine was built not to act at, is hooked at none: its reason, by value."""
         reasons: dict[str, str | None] = {}
         for value, layers in (
             ("attention_output", self.num_layers),
             ("mlp_output", self.num_layers),
             ("layer_input", 1),
         ):
+            if value not in steering_values:
+                reasons[value] = (
+                    f"the engine is built to steer {', '.join(steering_values)} only (steering_values); build it "
+                    f"with {value!r} among them"
+                )
+                continue
             names = {f"layers.{i}.{value}": location(value, i, self.num_layers) for i in range(layers)}
             found = locate(model, model_type, list(names))
             reasons[value] = next(

@@ -20,9 +20,9 @@ may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
 /v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. A steered model
 (--steered-model NAME=RECIPE, or POST /v1/steering/models) is a name a request sends as its model to be steered by
-the name's recipe, for clients that cannot send steering (evaluation harnesses). With --traces, nnsight traces sent
-with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a checkpoint directory, a hub id, or 'smollm2'
-(the embedded default)."""
+the name's recipe, for clients that cannot send steering (evaluation harnesses). GET /playground tries steering in a
+browser. With --traces, nnsight traces sent with model.trace(..., serve=URL, api_key=KEY) run too. MODEL is a
+checkpoint directory, a hub id, or 'smollm2' (the embedded default)."""
 
 
 def parser() -> Any:
@@ -88,6 +88,14 @@ def parser() -> Any:
         type=int,
         default=DIRECTIONS_PER_BLOCK,
         help="caps, ablations and SAE feature clamps one token may have at one block (slots of each pool entry)",
+    )
+    steering.add_argument(
+        "--steering-values",
+        metavar="VALUE",
+        nargs="+",
+        help="the values the steering operation acts at (default: all of layer_output, attention_output, mlp_output, "
+        "layer_input): with layer_output alone it runs once per block instead of about three times per block each "
+        "step, and specs needing the others (a patch of a sublayer, an ablation everywhere) are answered 400",
     )
     steering.add_argument(
         "--max-steering-specs",

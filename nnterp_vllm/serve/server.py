@@ -47,6 +47,7 @@ from ..engines.compile_cache import start_recompiling_once
 from ..engines.steered import AsyncSteeredVLLM
 from ..engines.steered_settings import steered_engine_args
 from ..steering.specs import Steering
+from . import playground
 from .errors import InvalidField, error_json, error_response, naming, refusal
 from .fields import (
     SPECS_PER_LAYER,
@@ -330,12 +331,34 @@ async def list_vectors(raw_request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
+def missing_vector(name: str) -> JSONResponse:
+    """The 404 of a route naming a vector the registry does not hold."""
+    return error_json(
+        f"no vector is registered as {name!r}; GET {VECTORS_PATH} lists those that are", "name", HTTPStatus.NOT_FOUND
+    )
+
+
+@router.get(VECTORS_PATH + "/{name}")
+async def get_vector(name: str, raw_request: Request) -> JSONResponse:
+    """A registered vector's values: ``{"object", "name", "size", "vector": [...]}``, or ``"layers": {layer:
+    [...]}`` for one made per layer; 404 if no vector has that name."""
+    registry, hidden_size = _steering(raw_request)
+    vector = (await registry.call("get", [name])).get(name)
+    if vector is None:
+        return missing_vector(name)
+    if isinstance(vector, dict):
+        values = {"layers": {str(layer): one.tolist() for layer, one in sorted(vector.items())}}
+    else:
+        values = {"vector": vector.tolist()}
+    return JSONResponse({"object": "steering.vector", "name": name, "size": hidden_size, **values})
+
+
 @router.delete(VECTORS_PATH + "/{name}")
 async def delete_vector(name: str, raw_request: Request) -> JSONResponse:
     """Forget a registered vector (requests already admitted keep it); 404 if no vector has that name."""
     registry, _ = _steering(raw_request)
     if not await registry.call("remove", name):
-        return error_json(f"no vector is registered as {name!r}", "name", HTTPStatus.NOT_FOUND)
+        return missing_vector(name)
     return JSONResponse({"object": "steering.vector.deleted", "name": name, "deleted": True})
 
 
@@ -378,9 +401,11 @@ class SteeringEndpoints:
         self.registry = registry
 
     def attach_router(self, app: FastAPI) -> None:
-        """Add the ``/v1/steering/vectors`` and ``/v1/steering/models`` routes."""
+        """Add the ``/v1/steering/vectors`` and ``/v1/steering/models`` routes and the playground
+        (`playground.attach`)."""
         app.include_router(router)
         app.include_router(steered_models_router)
+        playground.attach(app)
 
     def attach_guards(self, app: FastAPI, engine: SteeringEngineClient, args: argparse.Namespace) -> None:
         """Put `RequestIntake` (body bound, ``steering`` read off the event loop) and, with ``--api-key``,
@@ -437,7 +462,12 @@ def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     """The steered engine's arguments from the parsed command line (vLLM's engine arguments and ours)."""
     arguments = AsyncEngineArgs.from_cli_args(args)
     return steered_engine_args(
-        arguments, args.capture_values, args.sae, args.steering_directions_per_block, args.max_steering_entries
+        arguments,
+        args.capture_values,
+        args.sae,
+        args.steering_directions_per_block,
+        args.max_steering_entries,
+        steering_values=args.steering_values,
     )
 
 

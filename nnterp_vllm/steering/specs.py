@@ -35,6 +35,10 @@ EVERYWHERE = "all"
 #: The values whose every location an `Ablate` at `EVERYWHERE` clears: the stream entering the first block, and
 #: what each block's attention and MLP add to it.
 EVERYWHERE_VALUES = ("layers.0.layer_input", "layers.*.attention_output", "layers.*.mlp_output")
+#: The values a steered engine can act at: each block's output (where `Steering`, `Cap` and `Clamp` act), what its
+#: attention and MLP add (a `Patch` there, an `Ablate` everywhere), the stream entering the first block (an `Ablate`
+#: everywhere). An engine built with fewer (``steering_values=``) runs the steering operation at fewer places.
+STEERING_VALUES = ("layer_output", "attention_output", "mlp_output", "layer_input")
 #: Caps, ablations and clamps one token may have applied at one block (the engine's direction slots per table row),
 #: unless the engine is built with another number (``SteeredVLLM(..., steering_directions_per_block=N)``).
 DIRECTIONS_PER_BLOCK = 2
@@ -713,6 +717,7 @@ __all__ = [
     "DIRECTIONS_PER_BLOCK",
     "EVERYWHERE",
     "EVERYWHERE_VALUES",
+    "STEERING_VALUES",
     "EXTRA_ARGS_KEY",
     "Ablate",
     "Cap",
