@@ -414,6 +414,7 @@ class Standardized:
         *,
         steering_vector: torch.Tensor | None = None,
         when: Gate | None = None,
+        scale: str = "absolute",
     ) -> None:
         """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions`` (all by default).
 
@@ -425,20 +426,36 @@ class Standardized:
         of ``layers``): only the tokens whose read passes are steered. Call inside a trace or generate, before the
         first steered layer (and the gate's block) runs. The arguments are checked before anything is read from
         the model; positions and batch rows against the invoke's prompt.
+
+        ``scale``: ``"absolute"`` (default) adds ``factor * vector``; ``"relative"`` adds ``factor * |h| * vector /
+        |vector|`` (each row of a ``[n, hidden_size]`` vector normalised on its own), ``h`` the stream leaving the
+        block at that token before any edit there and ``|h|`` its L2 norm over the hidden dimension, in float32:
+        the factor is a fraction of the stream's own size, comparable across blocks and models. What
+        ``nnterp_vllm.Steering(..., scale="relative")`` does inside the steered engine.
         """
+        from .steering.specs import check_scale, relative_addition, relative_direction, unit_direction
+
         require_trace("steer")
         vector = _one_spelling("steer", ("vector", vector), ("steering_vector", steering_vector), required=True)
         chosen = _one_spelling("steer", ("positions", positions), ("token_positions", token_positions))
         indices = arguments.layer_indices(layers, self.num_layers, "steer")
         vector = arguments.hidden_vector(vector, self.hidden_size, "steer")
         factor = arguments.finite_number(factor, "steer")
+        check_scale(scale, "steer")
+        relative = scale == "relative"
+        if relative:
+            for row in vector.reshape(-1, vector.shape[-1]):
+                unit_direction(row, "steer (scale='relative')")
+            unit = relative_direction(vector)
 
-        def add(selected: torch.Tensor) -> torch.Tensor:
+        def add(selected: torch.Tensor, unsteered: torch.Tensor) -> torch.Tensor:
             if vector.dim() == 2 and vector.shape[0] not in (1, selected.shape[1]):
                 raise ValueError(
                     f"steer: a [n, hidden_size] vector needs one row per steered position; it has "
                     f"{vector.shape[0]} rows for {selected.shape[1]} positions"
                 )
+            if relative:
+                return selected + relative_addition(unit, factor, unsteered, selected.dtype)
             return selected + factor * vector.to(device=selected.device, dtype=selected.dtype)
 
         self._edit_stream("steer", self._block_outputs(indices), chosen, batch_index, add, when)
@@ -518,7 +535,7 @@ class Standardized:
         low, high = spec.bounds if spec.value is not None else (-math.inf, math.inf)
         factor = 1.0 if spec.scale is None else spec.scale
 
-        def clamped(selected: torch.Tensor) -> torch.Tensor:
+        def clamped(selected: torch.Tensor, unsteered: torch.Tensor) -> torch.Tensor:
             on = sae.on(selected.device)
             row = on.decoder_rows()[spec.feature]
             active = on.encode(selected)[..., spec.feature]
@@ -551,7 +568,7 @@ class Standardized:
             for index in indices
         ]
 
-        def set_rows(selected: torch.Tensor) -> torch.Tensor:
+        def set_rows(selected: torch.Tensor, unsteered: torch.Tensor) -> torch.Tensor:
             return rows.to(device=selected.device, dtype=selected.dtype).expand_as(selected)
 
         self._edit_stream("patch", targets, spec.positions, batch_index, set_rows)
@@ -579,7 +596,7 @@ class Standardized:
             targets = self._block_outputs(arguments.layer_indices(spec.layers, self.num_layers, what))
         direction = arguments.hidden_vector(spec.vector, self.hidden_size, what, rows=False)
 
-        def clamp(selected: torch.Tensor) -> torch.Tensor:
+        def clamp(selected: torch.Tensor, unsteered: torch.Tensor) -> torch.Tensor:
             unit = direction.to(device=selected.device)
             return selected + projection_change(selected, unit, spec.min, spec.max)
 
@@ -595,14 +612,15 @@ class Standardized:
         targets: list[tuple[Any, Value, int | None]],
         positions: Positions,
         batch_index: Any,
-        edit: Callable[[torch.Tensor], torch.Tensor],
+        edit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         when: Gate | None = None,
     ) -> None:
         """Replace each ``(host, value, block)`` of ``targets`` (in forward order; ``block`` the index of the block
         whose output the value is, else ``None``), at ``positions`` of the ``batch_index`` rows, by ``edit`` of it
-        (``[rows, positions, hidden]`` in, the same out), only on the tokens whose gate ``when`` passes where one
-        is given: read at its block's output before the steering there (`_unsteered`), as the steered engine reads
-        it. Arguments checked first."""
+        (``[rows, positions, hidden]`` in, the same out; its second argument the same positions of the value before
+        any edit at that block, `_unsteered`, which a relative `steer` measures), only on the tokens whose gate
+        ``when`` passes where one is given: read at its block's output before the steering there (`_unsteered`), as
+        the steered engine reads it. Arguments checked first."""
         from .steering.probes import gate_passes
         from .steering.specs import gate_before
 
@@ -620,7 +638,7 @@ class Standardized:
                 passed.append(gate_passes(gate, before))
             stream = stream.clone()
             at = (torch.tensor(rows)[:, None], torch.tensor(selected))
-            changed = edit(stream[at])
+            changed = edit(stream[at], before[at])
             if gate is not None:
                 changed = torch.where(passed[-1].to(stream.device)[at][..., None], changed, stream[at])
             stream[at] = changed

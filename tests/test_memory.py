@@ -375,13 +375,13 @@ def test_an_accelerators_new_content_goes_through_the_pinned_staging_and_waits_o
     ]
     staging.new_step()
     for entry, spec in enumerate(specs, start=1):
-        content, parameters, keep = entry_content(spec, 16, 2)
-        staging.entry(table, entry, content, parameters, keep)
+        content, parameters, keep, relative = entry_content(spec, 16, 2)
+        staging.entry(table, entry, content, parameters, keep, relative)
     assert staging.device.Event.synchronized == 1  # the seventh write waited for the first six copies
     for entry, spec in enumerate(specs, start=1):
-        content, _, keep = entry_content(spec, 16, 2)
+        content, _, keep, relative = entry_content(spec, 16, 2)
         torch.testing.assert_close(table.vectors[entry], content)
-        assert float(table.keep[entry]) == keep == 1.0
+        assert float(table.keep[entry]) == keep == 1.0 and float(table.relative[entry]) == relative == 0.0
     staging.new_step()
     placed = torch.arange(table.rows.shape[0], dtype=torch.int32) % 4
     staging.row(table, 5, placed)

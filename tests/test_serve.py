@@ -848,7 +848,10 @@ BAD_STEERING = [
     ([spec(factor="x")], "steering[0].factor", "factor must be a finite number"),
     ([spec(factor=float("inf"))], "steering[0].factor", "factor must be a finite number"),
     ([spec(shift=2.0)], "steering[0].shift", "unknown field 'shift'"),
-    ([spec(scale=2.0)], "steering[0].scale", "'add' specs have no field 'scale'"),
+    ([spec(scale=2.0)], "steering[0].scale", r"scale must be one of 'absolute', 'relative'.*got 2.0"),
+    ([spec(scale="percent")], "steering[0].scale", r"scale must be one of 'absolute', 'relative'.*got 'percent'"),
+    ([spec(kind="cap", max=1.0, scale="relative")], "steering[0].scale", "'cap' specs have no field 'scale'"),
+    ([spec(vector=[0.0] * HIDDEN, scale="relative")], "steering[0].vector", "nonzero, finite norm"),
     (
         [spec(kind="smear")],
         "steering[0].kind",

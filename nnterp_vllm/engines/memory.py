@@ -9,13 +9,13 @@ quotes the same numbers (`check_room`), and ``nnterp-vllm plan`` prints them wit
 What is sized by what:
 
 - **Steering** (every rank: the residual stream is whole on each): a pool of ``max_steering_entries`` entries,
-  each one location's content of a request's specs (how much of the stream it keeps, the added vector, then each
-  direction's read and write vectors and its parameters; entry 0 keeps the stream and moves nothing), shared by
-  every location and request that needs the same content; a table of steering rows (each a distinct set of specs
-  one request applies to some of its tokens, two per running sequence) naming an entry per location (each block's
-  output, what its attention and its MLP add, the stream entering the first block); and each scheduled token's
-  row. On an accelerator, pinned
-  staging for the entries and rows written in one step.
+  each one location's content of a request's specs (how much of the stream it keeps, the added vector and whether it
+  is a fraction of the stream's norm, then each direction's read and write vectors and its parameters; entry 0 keeps
+  the stream and moves nothing), shared by every location and request that needs the same content; a table of
+  steering rows (each a distinct set of specs one request applies to some of its tokens, two per running sequence)
+  naming an entry per location (each block's output, what its attention and its MLP add, the stream entering the
+  first block); and each scheduled token's row. On an accelerator, pinned staging for the entries and rows written
+  in one step.
 - **Capture** (the rank that keeps rows, when values are kept): the buffer the compiled graph fills, one
   ``[max_num_batched_tokens, hidden]`` row per kept value; on an accelerator the kept rows are gathered on the
   device into a compact buffer of only the rows some request keeps, then copied to the host through two pinned
@@ -38,8 +38,8 @@ import torch
 from .steering_pool import locations
 
 #: A steering direction's parameters (bounds, offset, threshold, scale, TopK feature; its gate's column, operator,
-#: threshold, floor and sigmoid), float32 each.
-STEERING_PARAMS = 11
+#: threshold, floor and sigmoid; whether its bounds are fractions of the stream's norm), float32 each.
+STEERING_PARAMS = 12
 #: Device memory the default steering pool takes, at most (entries are fewer where they are wide).
 STEERING_POOL_BYTES = 32 * 2**20
 #: Bounds of the default number of steering entries.
@@ -164,6 +164,7 @@ def steering_buffers(sizes: EngineSizes) -> list[Buffer]:
         Buffer("steering vectors", (entries, 1 + 2 * directions, hidden), sizes.dtype, False, pool),
         Buffer("steering parameters", (entries, directions, STEERING_PARAMS), torch.float32, False, pool),
         Buffer("steering keep", (entries,), torch.float32, False, pool),
+        Buffer("steering relative", (entries,), torch.float32, False, pool),
         Buffer("steering rows", (located, sizes.steering_rows + 1), torch.int32, False, "max_num_seqs"),
         Buffer("steering token rows", (sizes.max_num_batched_tokens,), torch.int64, False, "max_num_batched_tokens"),
     ]
@@ -173,6 +174,7 @@ def steering_buffers(sizes: EngineSizes) -> list[Buffer]:
             Buffer("steering vectors written", (written, 1 + 2 * directions, hidden), sizes.dtype, True, pool),
             Buffer("steering parameters written", (written, directions, STEERING_PARAMS), torch.float32, True, pool),
             Buffer("steering keep written", (written,), torch.float32, True, pool),
+            Buffer("steering relative written", (written,), torch.float32, True, pool),
             Buffer("steering rows written", (written, located), torch.int32, True, "max_num_seqs"),
             Buffer(
                 "steering token rows written",

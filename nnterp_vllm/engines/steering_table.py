@@ -4,7 +4,8 @@ At every standardized block's ``layer_output`` (located through the model's fami
 where `Standardized.steer` adds), and at each location of what its attention and its MLP add and of the stream
 entering the first block, a forward hook looks up each token's entry of the steering pool (`steering_pool`): ``entry
 = rows[location, token_rows[token]]``, then keeps ``keep[entry]`` of the stream (1, or 0 where a `Patch` sets it)
-and adds ``vectors[entry, 0]`` and, for each of the entry's direction slots in turn (`DIRECTIONS_PER_BLOCK` unless
+and adds ``vectors[entry, 0]`` (times the stream's float32 norm where ``relative[entry]``: a relative `Steering`'s
+``factor * unit``) and, for each of the entry's direction slots in turn (`DIRECTIONS_PER_BLOCK` unless
 the engine is built with another number), moves the stream's activation along the slot's read direction to its
 target along its write direction (`steering.specs.feature_change`, with the slot's ``parameters``: bounds, offset,
 threshold, scale, and for a TopK SAE's feature its index). Adding, ablating, capping and clamping an SAE feature are
@@ -41,11 +42,11 @@ from ..components.values import Located
 from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
-from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, STEERING_VALUES, feature_change
+from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, STEERING_VALUES, feature_change, is_relative, slotted
 from .capture import locate, runs
 from .memory import STEERING_PARAMS, Ledger
 from .sae_encoding import DeviceSAE
-from .steering_pool import PLACED, location
+from .steering_pool import LOCATED_VALUES, PLACED, location
 
 #: A direction slot's parameters, in ``params``' last axis.
 (
@@ -60,6 +61,7 @@ from .steering_pool import PLACED, location
     GATE_THRESHOLD,
     GATE_FLOOR,
     GATE_SIGMOID,
+    RELATIVE,
 ) = range(STEERING_PARAMS)
 #: The probe buffers: the table's attribute -> the memory model's buffer.
 PROBE_BUFFERS = {
@@ -88,6 +90,7 @@ TABLE_BUFFERS = {
     "vectors": "steering vectors",
     "params": "steering parameters",
     "keep": "steering keep",
+    "relative": "steering relative",
     "rows": "steering rows",
     "token_rows": "steering token rows",
 }
@@ -96,7 +99,8 @@ TABLE_BUFFERS = {
 class SteeringTable(torch.nn.Module):
     """The steering buffers (the memory model's ``steering ...``, `TABLE_BUFFERS`): ``vectors [entries, 1 + 2 *
     directions, hidden]`` (each entry's added vector, then its directions' read and write vectors), ``params
-    [entries, directions, PARAMS]``, ``keep [entries]`` (how much of the stream each entry keeps), ``rows
+    [entries, directions, PARAMS]``, ``keep [entries]`` (how much of the stream each entry keeps), ``relative
+    [entries]`` (1 where the entry's added vector is a fraction of the stream's norm, `RELATIVE`), ``rows
     [locations, rows]`` (each row's entry at each location) and ``token_rows`` (each scheduled token's row); and the
     TopK SAEs the engine holds, by block.
 
@@ -109,6 +113,9 @@ class SteeringTable(torch.nn.Module):
         for name, buffer in TABLE_BUFFERS.items():
             self.register_buffer(name, ledger.allocate(buffer, fill=1.0 if name == "keep" else 0.0), False)
         neutral_parameters(self.params)
+        #: The locations that are a block's output (the first ones, `steering_pool.location`): relative additions act
+        #: there only.
+        self.blocks = (self.rows.shape[0] - 1) // len(LOCATED_VALUES)
         for name, buffer in PROBE_BUFFERS.items():
             held = ledger.allocate(buffer, fill=-1 if name == "probe_blocks" else 0.0) if buffer in ledger else None
             self.register_buffer(name, held, False)
@@ -136,19 +143,31 @@ class SteeringTable(torch.nn.Module):
 
     def steered(self, location: int, stream: torch.Tensor) -> torch.Tensor:
         """What to add to ``stream`` (``[tokens, hidden]``, or ``[1, tokens, hidden]``) at ``location`` (for each
-        token, what its entry does not keep of the stream taken off, its vector added, then each of its directions in
-        turn); pure tensor code."""
+        token, what its entry does not keep of the stream taken off, its vector added (times the stream's norm where
+        the entry is relative), then each of its directions in turn); pure tensor code.
+
+        At a block's output (the locations before `blocks`, where a relative `Steering` acts) the stream's norm
+        (float32, over the hidden dimension, of ``stream``: the value before any edit here) is computed for every
+        token in every step, one reduction as wide as a direction's read; a token whose entry and slots are absolute
+        takes a coefficient of exactly 1 (`torch.where`, never ``1 + 0 * norm``), so its result is bit for bit what
+        it was without relative scales. Elsewhere (what attention and MLPs add, the first block's input) nothing of
+        it is computed."""
         entry = self.rows[location].index_select(0, self.token_rows[: stream.shape[-2]])
         slots = self.vectors.index_select(0, entry)
         held = self.params.index_select(0, entry)
         dropped = (self.keep.index_select(0, entry) - 1.0)[:, None].to(stream.dtype)
-        base = slots[:, 0] + dropped * stream
+        norm = None
+        added = slots[:, 0]
+        if location < self.blocks:  # a block's output, where relative additions act (a Python int: no graph branch)
+            norm = torch.linalg.vector_norm(stream, dim=-1, dtype=torch.float32).reshape(-1)
+            added = (added.float() * _times_norm(self.relative.index_select(0, entry), norm)[:, None]).to(stream.dtype)
+        base = added + dropped * stream
         delta = base
         for slot in range(self.directions):
-            delta = delta + self._gated(self._change(stream + delta, slots, held, slot), held[:, slot])
+            delta = delta + self._gated(self._change(stream + delta, slots, held, slot, norm), held[:, slot])
         sae = self.topk.get(location)
         if sae is not None and not torch.compiler.is_compiling():  # a TopK step runs eagerly (`Steerer.eager`)
-            delta = self._with_topk(sae, stream, slots, held, base, delta)
+            delta = self._with_topk(sae, stream, slots, held, base, delta, norm)
         return delta
 
     def _gated(self, change: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -170,15 +189,27 @@ class SteeringTable(torch.nn.Module):
         return change * ((column < 0) | passed)[:, None].to(change.dtype)
 
     @staticmethod
-    def _change(current: torch.Tensor, slots: torch.Tensor, held: torch.Tensor, slot: int, **topk: Any) -> torch.Tensor:
-        """What direction ``slot`` adds to ``current`` (`feature_change` with the slot's vectors and parameters)."""
+    def _change(
+        current: torch.Tensor,
+        slots: torch.Tensor,
+        held: torch.Tensor,
+        slot: int,
+        norm: torch.Tensor | None,
+        **topk: Any,
+    ) -> torch.Tensor:
+        """What direction ``slot`` adds to ``current`` (`feature_change` with the slot's vectors and parameters; a
+        relative slot's bounds, a relative addition's factor, times each token's ``norm`` where one is given)."""
         at = held[:, slot]
+        low, high = at[:, LOW], at[:, HIGH]
+        if norm is not None:
+            times = _times_norm(at[:, RELATIVE], norm)
+            low, high = low * times, high * times
         return feature_change(
             current,
             slots[:, 1 + 2 * slot],
             slots[:, 2 + 2 * slot],
-            at[:, LOW],
-            at[:, HIGH],
+            low,
+            high,
             offset=at[:, OFFSET],
             threshold=at[:, THRESHOLD],
             scale=at[:, SCALE],
@@ -193,8 +224,10 @@ class SteeringTable(torch.nn.Module):
         held: torch.Tensor,
         base: torch.Tensor,
         delta: torch.Tensor,
+        norm: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``delta`` (``base``: what it was before the directions) with the tokens whose entry clamps a feature of
+        """``delta`` (``base``: what it was before the directions; ``norm``: each token's stream norm) with the
+        tokens whose entry clamps a feature of
         ``sae`` done again, exactly: their features
         encoded once (in parts, into the engine's encoding buffer), kept current through each slot's change (a
         change along ``w`` moves the pre-activations by ``(w @ W_enc) * norms``), each TopK slot's activation its
@@ -209,7 +242,7 @@ class SteeringTable(torch.nn.Module):
         part = max(1, self.encoding.numel() // sae.d_sae)
         for start in range(0, len(tokens), part):
             chosen = tokens[start : start + part]
-            slots_of, held_of = slots[chosen], held[chosen]
+            slots_of, held_of, norm_of = slots[chosen], held[chosen], None if norm is None else norm[chosen]
             added = base[chosen]  # what the entry keeps and adds, before its directions
             out = self.encoding.view(-1)[: len(chosen) * sae.d_sae].view(len(chosen), sae.d_sae)
             pre = sae.pre_activation(flat[chosen] + added, out)
@@ -217,12 +250,13 @@ class SteeringTable(torch.nn.Module):
             for slot in range(self.directions):
                 feature = held_of[:, slot, TOPK_FEATURE]
                 kth = pre.topk(sae.k, dim=-1).values[:, -1]
-                own = self._change(flat[chosen] + change, slots_of, held_of, slot)
+                own = self._change(flat[chosen] + change, slots_of, held_of, slot, norm_of)
                 exact = self._change(
                     flat[chosen] + change,
                     slots_of,
                     held_of,
                     slot,
+                    norm_of,
                     pre=pre.gather(-1, feature.clamp(min=0).long()[:, None])[:, 0],
                     floor=kth,
                 )
@@ -231,6 +265,11 @@ class SteeringTable(torch.nn.Module):
                 pre += (step.float() @ sae.W_enc) * sae.decoder_norms
             exact_delta[chosen] = change.to(delta.dtype)
         return exact_delta.reshape(delta.shape)
+
+
+def _times_norm(relative: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """Per token: its stream's ``norm`` where ``relative`` (an entry's or a slot's flag) is set, else exactly 1."""
+    return torch.where(relative > 0, norm, torch.ones_like(norm))
 
 
 def neutral_parameters(parameters: torch.Tensor) -> torch.Tensor:
@@ -244,27 +283,33 @@ def neutral_parameters(parameters: torch.Tensor) -> torch.Tensor:
 
 def entry_content(
     specs: Sequence[dict[str, Any]], hidden: int, directions: int, gates: Sequence[int | None] = ()
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One entry's content from the specs (engine form) it applies, in order: ``[1 + 2 * directions, hidden]`` (a
     patch's vector and the ungated added vectors, summed, then each cap's, clamp's or gated addition's read and
     write vectors in the next slot), ``[directions, PARAMS]`` parameters (``-inf`` / ``inf`` where a bound is left
-    out; a gated spec's gate, reading the probe column ``gates[i]`` names for spec ``i``), and how much of the
-    stream it keeps (0 where a patch sets it, else 1). A gated addition moves the stream by its vector times its
-    factor (a slot reading nothing, its target that factor) where its gate passes."""
+    out; a gated spec's gate, reading the probe column ``gates[i]`` names for spec ``i``), how much of the
+    stream it keeps (0 where a patch sets it, else 1), and whether its added vector is relative (1: the relative
+    additions' ``factor * unit`` summed, times the stream's norm in the engine; else 0). A gated addition moves the
+    stream by its vector times its factor (a slot reading nothing, its target that factor, times the stream's norm
+    where it is relative: `RELATIVE`) where its gate passes; so does an ungated relative addition beside an absolute
+    one or a patch (`steering.specs.slotted`)."""
     content = torch.zeros(1 + 2 * directions, hidden, dtype=torch.float32)
     parameters = neutral_parameters(torch.empty(directions, STEERING_PARAMS))
     keep = 1.0
+    relative = 0.0
     slot = 0
-    for spec, column in zip(specs, list(gates) + [None] * (len(specs) - len(gates))):
+    for spec, column, in_slot in zip(specs, list(gates) + [None] * (len(specs) - len(gates)), slotted(specs)):
         vector = torch.tensor(spec["vector"], dtype=torch.float32)
-        if spec["kind"] in ("add", "patch") and column is None:
+        if not in_slot:
             content[0] += spec.get("factor", 1.0) * vector
             keep = 0.0 if spec["kind"] == "patch" else keep
+            relative = 1.0 if is_relative(spec) else relative
             continue
         held = parameters[slot]
-        if spec["kind"] == "add":  # gated: reads nothing, moves by factor x vector
+        if spec["kind"] == "add":  # gated (or relative beside an absolute addition): reads nothing, moves by factor
             content[2 + 2 * slot] = vector
             low = high = spec["factor"]
+            held[RELATIVE] = float(is_relative(spec))
         else:
             content[1 + 2 * slot] = vector
             content[2 + 2 * slot] = torch.tensor(spec["write"]) if "write" in spec else vector
@@ -279,7 +324,7 @@ def entry_content(
             held[OFFSET], held[THRESHOLD], held[SCALE] = spec["offset"], spec["threshold"], spec["scale"]
             held[TOPK_FEATURE] = spec["topk"]["feature"] if spec["topk"] else -1
         slot += 1
-    return content, parameters, keep
+    return content, parameters, keep, relative
 
 
 def steer_at_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -510,13 +555,14 @@ class Steerer:
                 self.column_keys[column] = key
 
     def _write_entry(self, entry: int, specs: list[dict[str, Any]], gates: list[int | None]) -> None:
-        content, parameters, keep = entry_content(specs, self.hidden, self.directions, gates)
+        content, parameters, keep, relative = entry_content(specs, self.hidden, self.directions, gates)
         if self.staged is None:
             self.buffers.vectors[entry].copy_(content)
             self.buffers.params[entry].copy_(parameters)
             self.buffers.keep[entry] = keep
+            self.buffers.relative[entry] = relative
         else:
-            self.staged.entry(self.buffers, entry, content, parameters, keep)
+            self.staged.entry(self.buffers, entry, content, parameters, keep, relative)
         self.entry_writes += 1
 
     def _write_row(self, row: int, at: list[list[int]]) -> None:
@@ -620,6 +666,7 @@ class Staging:
         self.vectors = ledger.allocate("steering vectors written")
         self.parameters = ledger.allocate("steering parameters written")
         self.keep = ledger.allocate("steering keep written")
+        self.relative = ledger.allocate("steering relative written")
         probes = "probe weights written" in ledger
         self.columns = ledger.allocate("probe weights written") if probes else None
         self.column_bias = ledger.allocate("probe bias written") if probes else None
@@ -645,16 +692,24 @@ class Staging:
         return slot
 
     def entry(
-        self, table: SteeringTable, entry: int, content: torch.Tensor, parameters: torch.Tensor, keep: float
+        self,
+        table: SteeringTable,
+        entry: int,
+        content: torch.Tensor,
+        parameters: torch.Tensor,
+        keep: float,
+        relative: float,
     ) -> None:
         """Write an entry's content to ``table`` through the staging."""
         slot = self._slot("entries", self.vectors.shape[0])
         self.vectors[slot].copy_(content)
         self.parameters[slot].copy_(parameters)
         self.keep[slot] = keep
+        self.relative[slot] = relative
         table.vectors[entry].copy_(self.vectors[slot], non_blocking=True)
         table.params[entry].copy_(self.parameters[slot], non_blocking=True)
         table.keep[entry : entry + 1].copy_(self.keep[slot : slot + 1], non_blocking=True)
+        table.relative[entry : entry + 1].copy_(self.relative[slot : slot + 1], non_blocking=True)
 
     def column(self, table: SteeringTable, column: int, weight: torch.Tensor, bias: float, layer: int) -> None:
         """Write a probe column (its weights, bias and block) to ``table`` through the staging."""

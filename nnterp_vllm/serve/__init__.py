@@ -55,6 +55,7 @@ def main(argv: Sequence[str]) -> int:
         vectors,
         {sae.name: sae for sae in args.sae},
         args.served_model_name or [args.model],
+        args.max_relative_dose,
     )
     if args.replicas > 1:
         from .replicas import run_replicas

@@ -4,6 +4,7 @@ vLLM's serve checks it (`parse`). Importing this module loads no vLLM."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,8 @@ DRAIN_SECONDS = 30
 DESCRIPTION = """vLLM's OpenAI-compatible server (every `vllm serve` argument applies) where each request on
 /v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/messages, /v1/responses and /invocations
 may carry `steering`: a list of specs {"kind": "add" | "ablate" | "cap", "layers": int | [int],
-"vector": [float, ...] | "<registered name>", "factor": float (add), "min"/"max": float (cap),
+"vector": [float, ...] | "<registered name>", "factor": float (add), "scale": "absolute" | "relative" (add:
+the factor a fraction of the stream's norm where relative), "min"/"max": float (cap),
 "positions": "all" | "prompt" | "generated" | [int, ...]}, or {"kind": "clamp", "sae": "<name>", "feature": int,
 "value" | "scale": float, "positions"} (an SAE registered with --sae). Vectors are registered at
 /v1/steering/vectors (POST, GET, DELETE) or preloaded with --steering-vectors. A steered model
@@ -98,6 +100,15 @@ def parser() -> Any:
         "step, and specs needing the others (a patch of a sublayer, an ablation everywhere) are answered 400",
     )
     steering.add_argument(
+        "--max-relative-dose",
+        type=float,
+        metavar="D",
+        help='the largest |factor| of a relative add spec ("scale": "relative": the factor a fraction of the '
+        "stream's norm at its block and token); a larger one is answered 400 before it reaches the engine. It bounds "
+        "relative add specs only: an absolute one's size against the stream is not known before it runs (default: "
+        "no bound)",
+    )
+    steering.add_argument(
         "--max-steering-specs",
         type=int,
         help="specs one request may carry (default: 4 per layer of the model)",
@@ -163,6 +174,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for flag, value in bounds.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    dose = args.max_relative_dose
+    if dose is not None and not (math.isfinite(dose) and dose > 0):
+        raise ValueError(
+            f"--max-relative-dose must be a finite number > 0 (the largest |factor| of a relative add spec), got {dose}"
+        )
     check_trace_arguments(args, api_keys(args))
     args.sae = [sae_source(source) for source in args.sae or []]
     validate_parsed_serve_args(args)

@@ -26,6 +26,7 @@ from ..steering.specs import (
     EVERYWHERE,
     KINDS,
     PATCHED_VALUES,
+    SCALES,
     Ablate,
     Cap,
     Clamp,
@@ -63,11 +64,14 @@ NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a let
 SPECS_PER_LAYER = 4
 
 
-def read_steering(steering: Any, num_layers: int, hidden_size: int, max_specs: int) -> list[dict[str, Any]]:
+def read_steering(
+    steering: Any, num_layers: int, hidden_size: int, max_specs: int, max_relative_dose: float | None = None
+) -> list[dict[str, Any]]:
     """A request's ``steering`` field (``None``, or a list of at most ``max_specs`` spec objects), checked
     against the model's sizes: each spec as ``{"kind", "layers", "vector", "positions"}`` and its kind's own
-    fields (`KINDS`: an ``"add"``'s ``factor``, a ``"cap"``'s ``min`` and ``max``), its vector a float32 tensor,
-    or the registered name it gives (put in by `with_vectors`). Raises `InvalidField`."""
+    fields (`KINDS`: an ``"add"``'s ``factor`` and ``scale``, a ``"cap"``'s ``min`` and ``max``), its vector a float32
+    tensor, or the registered name it gives (put in by `with_vectors`). A relative add spec whose factor's magnitude
+    exceeds ``max_relative_dose`` (``--max-relative-dose``; ``None``: no bound) is refused. Raises `InvalidField`."""
     if steering is None:
         return []
     if not isinstance(steering, list):
@@ -84,16 +88,18 @@ def read_steering(steering: Any, num_layers: int, hidden_size: int, max_specs: i
         )
     specs = []
     for i, spec in enumerate(steering):
-        specs.append(_read_spec(spec, f"steering[{i}]", num_layers, hidden_size))
+        specs.append(_read_spec(spec, f"steering[{i}]", num_layers, hidden_size, max_relative_dose))
         hand_over()  # a spec's numbers are checked one by one: the event loop's thread runs between specs
     return specs
 
 
-def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict[str, Any]:
+def _read_spec(
+    spec: Any, where: str, num_layers: int, hidden_size: int, max_relative_dose: float | None = None
+) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise InvalidField(
             f"{where}: a steering spec is an object with 'layers', 'vector' and optionally 'kind' ('add', 'ablate' "
-            f"or 'cap'), 'factor' (add), 'min' and 'max' (cap) and 'positions', got {type(spec).__name__}",
+            f"or 'cap'), 'factor' and 'scale' (add), 'min' and 'max' (cap) and 'positions', got {type(spec).__name__}",
             where,
         )
     for name in spec:
@@ -128,17 +134,37 @@ def _read_spec(spec: Any, where: str, num_layers: int, hidden_size: int) -> dict
     with naming(f"{where}.vector"):
         vector = spec["vector"]
         read["vector"] = vector if isinstance(vector, str) else checked_vector(vector, hidden_size, where)
-        if kind != "add" and not isinstance(vector, str):
+        if (kind != "add" or spec.get("scale") == "relative") and not isinstance(vector, str):
             unit_direction(read["vector"], where)
     if kind == "add":
         read["factor"] = spec.get("factor", 1.0)
         with naming(f"{where}.factor"):
             arguments.finite_number(read["factor"], where)
+        read["scale"] = _read_scale(spec, where, read["factor"], max_relative_dose)
     if kind == "cap":
         _read_bounds(spec, where, read)
     with naming(f"{where}.positions"):
         arguments.phase_or_positions(read["positions"], where)
     return {**read, "when": when}
+
+
+def _read_scale(spec: dict[str, Any], where: str, factor: float, max_relative_dose: float | None) -> str:
+    """An ``add`` spec's ``scale`` (`specs.SCALES`; ``"absolute"`` where it gives none), its factor within the
+    server's ``--max-relative-dose`` where it is relative; `InvalidField` naming the field."""
+    scale = spec.get("scale", "absolute")
+    if not isinstance(scale, str) or scale not in SCALES:
+        raise InvalidField(
+            f"{where}: scale must be one of {', '.join(repr(name) for name in SCALES)} ('absolute': factor x vector; "
+            f"'relative': factor x the stream's norm x the vector's direction), got {scale!r}",
+            f"{where}.scale",
+        )
+    if scale == "relative" and max_relative_dose is not None and abs(factor) > max_relative_dose:
+        raise InvalidField(
+            f"{where}: a relative factor of {factor} moves the stream by {abs(factor):g} of its norm; this server "
+            f"bounds relative factors to |factor| <= {max_relative_dose:g} (--max-relative-dose {max_relative_dose:g})",
+            f"{where}.factor",
+        )
+    return scale
 
 
 def _kind(spec: dict[str, Any], where: str) -> str:
@@ -219,7 +245,7 @@ def _spec(read: dict[str, Any], layers: Any, vector: torch.Tensor, saes: Mapping
     """The spec a read field of its kind makes, at ``layers`` with ``vector`` (its gate's SAE from ``saes``)."""
     when = gate_of(read["when"], saes)
     if read["kind"] == "add":
-        return Steering(layers, vector, read["factor"], read["positions"], when)
+        return Steering(layers, vector, read["factor"], read["positions"], when, read["scale"])
     if read["kind"] == "ablate":
         return Ablate(vector, layers, read["positions"], when)
     return Cap(vector, layers, read["min"], read["max"], read["positions"], when)

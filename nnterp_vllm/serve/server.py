@@ -412,7 +412,11 @@ class SteeringEndpoints:
         `GuardEveryRoute` in front of everything vLLM's app does (the guard outermost)."""
         max_specs = steering_specs_bound(args, engine.num_layers)
         read = functools.partial(
-            read_steering, num_layers=engine.num_layers, hidden_size=engine.hidden_size, max_specs=max_specs
+            read_steering,
+            num_layers=engine.num_layers,
+            hidden_size=engine.hidden_size,
+            max_specs=max_specs,
+            max_relative_dose=args.max_relative_dose,
         )
         capture = functools.partial(
             read_capture, num_layers=engine.num_layers, kept=engine.capture_values, saes=engine.held_saes
@@ -432,6 +436,7 @@ class SteeringEndpoints:
         names = SteeredModelNames(self.registry, args.served_model_name or [args.model])
         app.state.steered_model_names = names
         app.state.max_steering_specs = max_specs
+        app.state.max_relative_dose = args.max_relative_dose
         stack = RequestIntake(stack, fields, bound, own_bounds, names, STEERING)
         if keys := api_keys(args):
             stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)

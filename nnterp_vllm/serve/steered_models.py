@@ -97,17 +97,24 @@ def _recipe_file(path: Path) -> list[Any]:
 
 
 def steered_model(
-    name: Any, steering: Any, num_layers: int, hidden_size: int, max_specs: int, base_names: Sequence[str]
+    name: Any,
+    steering: Any,
+    num_layers: int,
+    hidden_size: int,
+    max_specs: int,
+    base_names: Sequence[str],
+    max_relative_dose: float | None = None,
 ) -> SteeredModel:
-    """``name`` and its recipe's wire specs, checked against the model's sizes; raises `InvalidField` naming the
-    field (``name``, ``steering[i].<field>``)."""
+    """``name`` and its recipe's wire specs, checked against the model's sizes (and a relative factor against
+    ``--max-relative-dose``, as a request's); raises `InvalidField` naming the field (``name``,
+    ``steering[i].<field>``)."""
     with naming("name"):
         checked_name(name)
     if name in base_names:
         raise InvalidField(f"{name!r} is the base model's name; choose another name for a steered model", "name")
     if not steering:
         raise InvalidField(f"{name!r}: a steered model's recipe holds at least one spec", "steering")
-    return SteeredModel(name, steering, read_steering(steering, num_layers, hidden_size, max_specs))
+    return SteeredModel(name, steering, read_steering(steering, num_layers, hidden_size, max_specs, max_relative_dose))
 
 
 def check_recipe(model: SteeredModel, registered: Mapping[str, Vector], saes: Mapping[str, Any]) -> None:
@@ -130,6 +137,7 @@ def read_steered_model_sources(
     vectors: Mapping[str, Vector],
     saes: Mapping[str, Any],
     base_names: Sequence[str],
+    max_relative_dose: float | None = None,
 ) -> dict[str, SteeredModel]:
     """``--steered-model``'s ``NAME=RECIPE`` entries, read and checked; raises ``ValueError`` naming the bad one."""
     models: dict[str, SteeredModel] = {}
@@ -140,7 +148,8 @@ def read_steered_model_sources(
                 raise ValueError(f"the form is NAME=RECIPE, a recipe being {SHORT_RULE}")
             if name in models:
                 raise ValueError(f"two entries name {name!r}")
-            model = steered_model(name, recipe_specs(recipe), num_layers, hidden_size, max_specs, base_names)
+            specs = recipe_specs(recipe)
+            model = steered_model(name, specs, num_layers, hidden_size, max_specs, base_names, max_relative_dose)
             check_recipe(model, vectors, saes)
         except InvalidField as error:
             where = f" ({error.param})" if error.param else ""
@@ -152,7 +161,12 @@ def read_steered_model_sources(
 
 
 def read_model_registration(
-    body: bytes, num_layers: int, hidden_size: int, max_specs: int, base_names: Sequence[str]
+    body: bytes,
+    num_layers: int,
+    hidden_size: int,
+    max_specs: int,
+    base_names: Sequence[str],
+    max_relative_dose: float | None = None,
 ) -> SteeredModel:
     """A ``POST /v1/steering/models`` body: ``{"name", "steering": [specs]}`` or ``{"name", "recipe": "<short
     form>"}``. Raises `InvalidField`; meant to run off the event loop."""
@@ -175,7 +189,9 @@ def read_model_registration(
             raise InvalidField(f"recipe: {SHORT_RULE}; got {type(parsed['recipe']).__name__}", "recipe")
         with naming("recipe"):
             steering = recipe_specs(parsed["recipe"], files=False)
-    return steered_model(parsed.get("name"), steering, num_layers, hidden_size, max_specs, base_names)
+    return steered_model(
+        parsed.get("name"), steering, num_layers, hidden_size, max_specs, base_names, max_relative_dose
+    )
 
 
 class SteeredModelNames:
@@ -237,6 +253,7 @@ async def register_model(raw_request: Request) -> JSONResponse:
             engine.hidden_size,
             state.max_steering_specs,
             names.base_names,
+            state.max_relative_dose,
         )
         registered = await names.registry.call("get", sorted(named_vectors(model.read)))
         await asyncio.to_thread(check_recipe, model, registered, engine.saes)

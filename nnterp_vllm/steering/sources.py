@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .saes import WEIGHTS_FILE, read_config
-from .specs import Steering
+from .specs import Steering, check_scale
 
 WHAT = "load_steering"
 
@@ -42,12 +42,15 @@ def load_steering(
     positions: str | Sequence[int] = "all",
     feature: int | None = None,
     layers: int | Sequence[int] | None = None,
+    scale: str = "absolute",
 ) -> list[Steering]:
     """One `Steering` per layer a vector made elsewhere carries, adding it times ``factor`` at ``positions``, where
     and as its own library applies it (`read_vectors`): a repeng ``ControlVector`` or its ``.gguf`` file, a
     steering-vectors ``SteeringVector`` or its saved dict, a SAELens SAE directory (``feature``: the feature whose
     decoder row is the vector). ``layers`` keeps only those of the source's layers (numbered as the source numbers
-    them). Raises ValueError naming the file and the field of a malformed source."""
+    them). ``scale="relative"`` makes ``factor`` a fraction of the stream's norm at each layer (`Steering`'s
+    ``scale``: only each vector's direction counts). Raises ValueError naming the file and the field of a malformed
+    source."""
     vectors = read_vectors(source, feature)
     if layers is not None:
         chosen = [layers] if isinstance(layers, int) else list(layers)
@@ -57,7 +60,10 @@ def load_steering(
                 f"{WHAT}: {describe(source)} carries layers {sorted(vectors)}, not {missing}; choose among them"
             )
         vectors = {layer: vectors[layer] for layer in chosen}
-    return [Steering(layer, vector, factor=factor, positions=positions) for layer, vector in sorted(vectors.items())]
+    return [
+        Steering(layer, vector, factor=factor, positions=positions, scale=scale)
+        for layer, vector in sorted(vectors.items())
+    ]
 
 
 def read_vectors(source: Any, feature: int | None = None) -> dict[int, torch.Tensor]:
@@ -219,6 +225,7 @@ def contrast_steering(
     factor: float = 1.0,
     positions: str | Sequence[int] = "all",
     engine: str = "transformers",
+    scale: str = "absolute",
 ) -> list[Steering]:
     """Contrast vectors from two sets of texts, one `Steering` per layer, from our own harvest of each text's
     last token's residual stream leaving the layer.
@@ -232,6 +239,8 @@ def contrast_steering(
         model: A checkpoint or a standardized model, as `harvest` takes it (``engine`` for a checkpoint).
         positive, negative: The texts (as many of each for ``"pca"``).
         layers: The blocks whose output to take the vectors at (and to steer at).
+        factor, positions, scale: Each `Steering`'s (``scale="relative"``: ``factor`` a fraction of the stream's
+            norm, the vector's direction only).
     """
     import tempfile
 
@@ -241,6 +250,7 @@ def contrast_steering(
 
     if method not in ("mean", "pca"):
         raise ValueError(f"contrast_steering: method must be 'mean' or 'pca', got {method!r}")
+    check_scale(scale, "contrast_steering")
     for name, texts in (("positive", positive), ("negative", negative)):
         if isinstance(texts, str) or not texts or not all(isinstance(text, str) and text for text in texts):
             raise ValueError(f"contrast_steering: {name} must be a non-empty list of non-empty texts")
@@ -270,7 +280,7 @@ def contrast_steering(
             differences = ups - downs
             _, _, directions = torch.linalg.svd(differences - differences.mean(0), full_matrices=False)
             vector = directions[0] * pair_sign(ups @ directions[0], downs @ directions[0])
-        specs.append(Steering(layer, vector, factor=factor, positions=positions))
+        specs.append(Steering(layer, vector, factor=factor, positions=positions, scale=scale))
     return specs
 
 

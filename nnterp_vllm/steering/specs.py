@@ -42,6 +42,9 @@ STEERING_VALUES = ("layer_output", "attention_output", "mlp_output", "layer_inpu
 #: Caps, ablations and clamps one token may have applied at one block (the engine's direction slots per table row),
 #: unless the engine is built with another number (``SteeredVLLM(..., steering_directions_per_block=N)``).
 DIRECTIONS_PER_BLOCK = 2
+#: What a `Steering`'s factor is measured against: ``"absolute"`` (the vector's own size) or ``"relative"`` (the
+#: residual stream's norm at that block and token).
+SCALES = ("absolute", "relative")
 #: The key of ``SamplingParams.extra_args`` under which a request's steering travels to the engine.
 EXTRA_ARGS_KEY = "nnterp_vllm_steering"
 #: The key of a request's steering (engine form) naming the first prompt position it changes and the salt its
@@ -59,18 +62,25 @@ class Placed:
 
 @dataclass(frozen=True, eq=False)
 class Steering(Placed):
-    """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions``.
+    """Add ``factor * vector`` to the residual stream leaving ``layers``, at ``positions``; with
+    ``scale="relative"``, ``factor * |h| * vector / |vector|`` instead (``h`` that stream at that token).
 
     Args:
         layers: A standardized block index or a list of them (``layers=10`` is ``model.layers[10]``;
             negative counts from the last block).
-        vector: A ``[hidden_size]`` tensor or a list of floats.
+        vector: A ``[hidden_size]`` tensor or a list of floats (not zero where ``scale="relative"``: only its
+            direction counts there).
         factor: A finite number the vector is multiplied by.
         positions: ``"all"`` (default: prompt and generated tokens), ``"prompt"``, ``"generated"``, or
             a list of prompt positions (negative counting from the prompt's end).
         when: ``None`` (every token at ``positions``), or a gate: ``(Probe, op, threshold)`` or ``(sae, feature, op,
             threshold)`` (`steering.probes.gate`), read at a block at or before this spec's, per token; the spec acts
             only on the tokens whose read passes.
+        scale: What ``factor`` is measured against. ``"absolute"`` (default): the vector as given, ``h + factor *
+            vector``. ``"relative"``: the residual stream's own norm at that block and token, ``h + factor * |h| *
+            vector / |vector|``, ``h`` the stream leaving the block before any spec there edits it and ``|h|`` its
+            L2 norm over the hidden dimension, computed in float32: ``factor=0.1`` moves each token's stream by a
+            tenth of its length along the vector's direction, at any block of any model.
 
     The checks that need no model run here; the vector's width, the layer range and the positions
     against the prompt are checked when a request carrying the spec is made.
@@ -81,6 +91,7 @@ class Steering(Placed):
     factor: float = 1.0
     positions: str | Sequence[int] = "all"
     when: Any = field(default=None, repr=False)
+    scale: str = "absolute"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", arguments.layer_list(self.layers, WHAT))
@@ -88,15 +99,24 @@ class Steering(Placed):
         object.__setattr__(self, "factor", arguments.finite_number(self.factor, WHAT))
         object.__setattr__(self, "positions", arguments.phase_or_positions(self.positions, WHAT))
         check_when(self.when, WHAT)
+        check_scale(self.scale, WHAT)
+        if self.scale == "relative":
+            unit_direction(self.vector, f"{WHAT} (scale='relative')")
 
     def resolved(self, num_layers: int, hidden_size: int, prompt_length: int) -> dict[str, Any]:
         """This spec in its engine form for a prompt of ``prompt_length`` tokens on a model of ``num_layers``
         blocks of width ``hidden_size``: sorted layer indices, the vector as float32 numbers, the factor, the
-        phase or sorted absolute prompt positions. Raises `ValueError` as `steer` does."""
-        return {**_resolved(self, num_layers, hidden_size, prompt_length), "kind": "add", "factor": self.factor}
+        phase or sorted absolute prompt positions; a relative spec's vector its unit direction (normalised in
+        float64), beside ``"scale": "relative"`` (an absolute spec's form names no scale). Raises `ValueError` as
+        `steer` does."""
+        if self.scale != "relative":
+            return {**_resolved(self, num_layers, hidden_size, prompt_length), "kind": "add", "factor": self.factor}
+        unit = relative_direction(self.vector)
+        entry = _resolved(self, num_layers, hidden_size, prompt_length, unit)
+        return {**entry, "kind": "add", "factor": self.factor, "scale": "relative"}
 
     def scaled(self, factor: float) -> Steering:
-        """This spec with its factor times ``factor``."""
+        """This spec with its factor times ``factor`` (its scale kept)."""
         return replace(self, factor=self.factor * factor)
 
 
@@ -385,7 +405,7 @@ SPECS = (Steering, Cap, Clamp, Patch)
 #: Each kind of spec by the name a server request or a grid file gives it: the spec and the fields of its own it
 #: takes (beside ``positions``, and a direction's ``layers`` and ``vector``, which every kind but a clamp takes).
 KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "add": (Steering, ("factor",)),
+    "add": (Steering, ("factor", "scale")),
     "ablate": (Ablate, ()),
     "cap": (Cap, ("min", "max")),
     "clamp": (Clamp, ("sae", "feature", "value", "scale")),
@@ -438,6 +458,35 @@ def projection_change(stream: torch.Tensor, direction: torch.Tensor, low: Any, h
     """What to add to ``stream`` (``[..., hidden]``) so that its projection on the unit ``direction`` lies in
     ``[low, high]`` (`feature_change` reading and writing along the direction)."""
     return feature_change(stream, direction, direction, low, high)
+
+
+def relative_direction(vector: torch.Tensor) -> torch.Tensor:
+    """The unit direction a relative `Steering` adds along (``[hidden]`` or ``[n, hidden]``, a unit row each):
+    ``vector / |vector|`` computed in float64, as float32. The engine form holds it, and ``steer`` adds the same."""
+    vector = vector.detach().double()
+    return (vector / vector.norm(dim=-1, keepdim=True)).float()
+
+
+def relative_addition(unit: torch.Tensor, factor: Any, unsteered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a relative `Steering` adds to a stream whose value before any edit at its block is ``unsteered``
+    (``[..., hidden]``): ``factor * |unsteered| * unit``, the norm over the hidden dimension, all in float32 (the
+    factor times the unit direction first, as the engine's pool entry holds it), in ``dtype``."""
+    norm = torch.linalg.vector_norm(unsteered, dim=-1, keepdim=True, dtype=torch.float32)
+    return ((factor * unit.to(device=unsteered.device, dtype=torch.float32)) * norm).to(dtype)
+
+
+def check_scale(scale: Any, what: str) -> None:
+    """Refuse a ``scale`` that is not one of `SCALES` (``ValueError`` naming what is allowed)."""
+    if not isinstance(scale, str) or scale not in SCALES:
+        raise ValueError(
+            f"{what}: scale must be 'absolute' (factor x vector) or 'relative' (factor x the stream's norm x the "
+            f"vector's direction), got {scale!r}"
+        )
+
+
+def is_relative(entry: dict[str, Any]) -> bool:
+    """Whether a spec in engine form adds a fraction of the stream's norm (a relative `Steering`)."""
+    return entry.get("scale") == "relative"
 
 
 def unit_direction(vector: Any, what: str) -> torch.Tensor:
@@ -581,9 +630,19 @@ DIRECTION_KINDS = ("cap", "clamp")
 
 
 def takes_direction(entry: dict[str, Any]) -> bool:
-    """Whether a spec in engine form takes a direction slot: a cap or clamp, or a gated addition (which moves the
-    stream by its vector only where its gate passes)."""
+    """Whether a spec in engine form takes a direction slot whatever acts beside it: a cap or clamp, or a gated
+    addition (which moves the stream by its vector only where its gate passes)."""
     return entry["kind"] in DIRECTION_KINDS or entry.get("when") is not None
+
+
+def slotted(entries: Sequence[dict[str, Any]]) -> list[bool]:
+    """Which of the specs (engine form) one pool entry applies at one location take a direction slot: those that
+    `takes_direction`, and the ungated relative additions where an ungated absolute addition or a patch acts there
+    too. The entry's own added vector is then the absolute ones' sum (or the patch), else the relative ones' sum,
+    times the stream's norm: one vector, one scale."""
+    first = [entry["kind"] in ("add", "patch") and not takes_direction(entry) for entry in entries]
+    mixed = any(own and not is_relative(entry) for own, entry in zip(first, entries))
+    return [not own or (mixed and is_relative(entry)) for own, entry in zip(first, entries)]
 
 
 def check_when(when: Any, what: str) -> None:
@@ -632,12 +691,13 @@ def held_bound(dtype: torch.dtype) -> float:
 
 def check_held(resolved: Sequence[dict[str, Any]], dtype: torch.dtype) -> None:
     """Refuse specs in engine form (`Steering.resolved`) whose added vector at some layer (``factor * vector``
-    summed over the specs at that layer) has an element above `held_bound` of ``dtype``; ``ValueError``."""
+    summed over the specs at that layer) has an element above `held_bound` of ``dtype``; ``ValueError``. A relative
+    addition is left out: its size is a fraction of the stream's own norm, which only the engine knows."""
     bound = held_bound(dtype)
     added: dict[int, torch.Tensor] = {}
     adders: dict[int, list[int]] = {}
     for i, entry in enumerate(resolved):
-        if entry["kind"] not in ("add", "patch"):
+        if entry["kind"] not in ("add", "patch") or is_relative(entry):
             continue
         scaled = torch.tensor(entry["vector"], dtype=torch.float64) * entry.get("factor", 1.0)
         for layer in entry["layers"]:
@@ -664,18 +724,25 @@ def check_directions(
     for indices in {tokens for tokens in (sets.prompt, sets.generated, *sets.listed.values()) if tokens}:
         per_layer: dict[Any, list[int]] = {}
         for i in indices:
-            if takes_direction(resolved[i]):
+            if resolved[i].get("value", "layer_output") == "layer_output":  # a patch elsewhere shares no entry
                 layers = resolved[i]["layers"]
                 for layer in [layers] if layers == EVERYWHERE else layers:
                     per_layer.setdefault(layer, []).append(i)
-        for layer, capping in per_layer.items():
+        for layer, acting in per_layer.items():
+            capping = [i for i, slot in zip(acting, slotted([resolved[i] for i in acting])) if slot]
             if len(capping) > directions_per_block:
                 where = "at every location (layers='all')" if layer == EVERYWHERE else f"at layer {layer}"
+                added = [i for i in capping if resolved[i]["kind"] == "add"]
+                adds = (
+                    f" (additions {added} take a slot each: gated, or relative beside an absolute one or a patch)"
+                    if added
+                    else ""
+                )
                 raise ValueError(
                     f"{WHAT}: specs {capping} cap, ablate or clamp {len(capping)} directions on the same tokens "
-                    f"{where}; the engine applies at most {directions_per_block} per token there (an engine built "
-                    "with SteeredVLLM(..., steering_directions_per_block=N) applies N): ablate their span in fewer "
-                    "directions, or spread them over blocks or positions"
+                    f"{where}{adds}; the engine applies at most {directions_per_block} per token there (an engine "
+                    "built with SteeredVLLM(..., steering_directions_per_block=N) applies N): ablate their span in "
+                    "fewer directions, or spread them over blocks or positions"
                 )
 
 
@@ -726,15 +793,20 @@ __all__ = [
     "KINDS",
     "PATCHED_VALUES",
     "Patch",
+    "SCALES",
     "Steering",
     "TokenSets",
     "decode_only",
     "feature_change",
     "gate_before",
+    "is_relative",
     "kind_fields",
     "projection_change",
     "per_prompt",
+    "relative_addition",
+    "relative_direction",
     "request_steering",
+    "slotted",
     "specs_of",
     "token_sets",
 ]
