@@ -32,6 +32,7 @@ def parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from ..engines.memory import PROBE_COLUMNS
     from ..steering.specs import DIRECTIONS_PER_BLOCK
     from .fields import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
@@ -107,6 +108,13 @@ def parser() -> Any:
         "stream's norm at its block and token); a larger one is answered 400 before it reaches the engine. It bounds "
         "relative add specs only: an absolute one's size against the stream is not known before it runs (default: "
         "no bound)",
+    )
+    steering.add_argument(
+        "--max-probe-columns",
+        type=int,
+        default=PROBE_COLUMNS,
+        help="probe columns (each class of a probe a request reads, each gate's read) the engine reads at every block "
+        "of every step, and so holds at once; 0 reads none (no probes, no gates: a cheaper step)",
     )
     steering.add_argument(
         "--max-steering-specs",

@@ -472,6 +472,7 @@ def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
         args.sae,
         args.steering_directions_per_block,
         args.max_steering_entries,
+        args.max_probe_columns,
         steering_values=args.steering_values,
     )
 
