@@ -137,6 +137,17 @@ def hooks(model, specs: list) -> list:
     return [block.register_forward_hook(hook(i)) for i, block in enumerate(reference.blocks(model))]
 
 
+def hooked_logits(model, specs: list, ids: list[int]) -> torch.Tensor:
+    """The prompt's logits from transformers' own model with `hooks` applying ``specs`` (removed after)."""
+    handles = hooks(model, specs)
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def tokens_and_logprobs(output) -> tuple[list[int], torch.Tensor]:
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
@@ -205,13 +216,7 @@ def test_relative_factors_on_standardized_transformer_equal_the_hooks():
     ids = prompt_ids(3)
     path = tiny.checkpoint("llama")
     plain = reference.load(path)
-    handles = hooks(plain, specs)
-    try:
-        with torch.no_grad():
-            expected = plain(torch.tensor([ids])).logits[0]
-    finally:
-        for handle in handles:
-            handle.remove()
+    expected = hooked_logits(plain, specs, ids)
     model = StandardizedTransformer(path)
     with model.trace({"input_ids": torch.tensor([ids])}):
         for spec in specs:
@@ -224,14 +229,7 @@ def test_relative_factors_on_standardized_transformer_equal_the_hooks():
         model.steer(1, rows, 0.5, positions=[0, 2], scale="relative")
         per_row = model.logits.save()
     split = [Steering(1, row, factor=0.5, scale="relative", positions=[p]) for row, p in zip(rows, [0, 2])]
-    handles = hooks(plain, split)
-    try:
-        with torch.no_grad():
-            expected = plain(torch.tensor([ids])).logits[0]
-    finally:
-        for handle in handles:
-            handle.remove()
-    torch.testing.assert_close(per_row[0], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_row[0], hooked_logits(plain, split, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_relative_specs_are_checked_as_they_are_made_and_keep_their_scale():
