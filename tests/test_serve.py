@@ -748,8 +748,13 @@ def test_steered_models_registered_at_run_time_serve_every_steering_route_until_
         body = route_body(path, None)
         steered = post(served, path, {**body, "model": "plainer"})
         assert steered.status_code == 200, (path, steered.text)
+        assert steered.json()["model"] == "plainer", path  # the response names the model asked for
         by_hand = post(served, path, {**body, "steering": recipe})
         assert route_texts(path, steered.json()) == route_texts(path, by_hand.json()), path
+    for path in ("/v1/messages", "/v1/responses"):  # their streamed events carry the model inside an object
+        events = post(served, path, {**route_body(path, None), "model": "plainer", "stream": True}).text
+        named = re.findall(r'"model": ?"([^"]+)"', events)
+        assert named and set(named) == {"plainer"}, (path, events[:2000])
     short = post(served, models_url, {"name": "shorter", "recipe": "preloaded@0-2:-1.5"})
     assert short.status_code == 201 and short.json()["steering"] == [
         {"kind": "add", "vector": "preloaded", "layers": [0, 1, 2], "factor": -1.5}

@@ -295,8 +295,7 @@ def _responding(send: Send, request: RequestFields, fields: Sequence[RequestFiel
         body = json.loads(b"".join(part.get("body", b"") for part in parts))
         for field in fields:
             field.respond(body, request.recorded.get(field.name, {}))
-        if request.model is not None and "model" in body:
-            body["model"] = request.model
+        _named(body, request)
         encoded = json.dumps(body).encode()
         headers = [(key, value) for key, value in start["headers"] if key != b"content-length"]
         await send({**start, "headers": [*headers, (b"content-length", str(len(encoded)).encode())]})
@@ -309,18 +308,30 @@ def _finishing(event: bytes, request: RequestFields, fields: Sequence[RequestFie
     """A streamed event (``data: <chunk as JSON>``) as it goes out: naming the steered model the request asked for,
     and where its chunk finishes choices (their ``finish_reason`` set), with each field's ``respond`` given them and
     what the request recorded."""
-    if not event.startswith(b"data: {"):
+    head, marker, data = event.partition(b"data: {")
+    if not marker or not (head == b"" or head.endswith(b"\n")):
         return event
-    chunk = json.loads(event.removeprefix(b"data: "))
+    chunk = json.loads(b"{" + data)
     finished = [choice for choice in chunk.get("choices") or () if choice.get("finish_reason") is not None]
-    renamed = request.model is not None and "model" in chunk
-    if renamed:
-        chunk["model"] = request.model
+    renamed = _named(chunk, request)
     if not finished and not renamed:
         return event
     for field in fields if finished else ():
         field.respond({"choices": finished}, request.recorded.get(field.name, {}))
-    return b"data: " + json.dumps(chunk).encode()
+    return head + b"data: " + json.dumps(chunk).encode()
+
+
+def _named(body: dict[str, Any], request: RequestFields) -> bool:
+    """Name the steered model the request asked for where ``body`` (a response, or a streamed event's data) names the
+    model: at its top, or in an object it carries (``/v1/messages``' ``message``, ``/v1/responses``' ``response``);
+    whether it named one."""
+    if request.model is None:
+        return False
+    named = False
+    for part in (body, *(value for value in body.values() if isinstance(value, dict))):
+        if "model" in part:
+            part["model"], named = request.model, True
+    return named
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
