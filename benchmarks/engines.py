@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="nnterp-vllm-bench-"))
-atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
+if "VLLM_RPC_BASE_PATH" not in os.environ:  # a benchmark's worker processes share their parent's
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="nnterp-vllm-bench-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

@@ -20,20 +20,12 @@ Each engine is built once, in this process (one at a time). Prints times and rat
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
-import shutil
-import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="nnterp-vllm-bench-"))
-atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
+import torch
+from engines import prompts
 
-import torch  # noqa: E402
-from engines import prompts  # noqa: E402
-
-from nnterp_vllm.checkpoints import smollm2  # noqa: E402
+from nnterp_vllm.checkpoints import smollm2
 
 #: The sweep's prompts: a fact stated, then asked about; the corrupt one names the other person (as long as the
 #: clean one, token for token).

@@ -19,13 +19,9 @@ import shutil
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="nnterp-vllm-bench-"))
-atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
+from engines import MAX_MODEL_LEN, prompts
 
-from engines import MAX_MODEL_LEN, prompts  # noqa: E402
-
-from nnterp_vllm.checkpoints import smollm2  # noqa: E402
+from nnterp_vllm.checkpoints import smollm2
 
 LAYER, D_SAE = 6, 4608
 KV_CACHE_BYTES = 512 * 2**20
