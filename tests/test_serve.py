@@ -770,6 +770,25 @@ def test_steered_models_registered_at_run_time_serve_every_steering_route_until_
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
 
 
+def test_the_registry_holds_at_most_its_capacity_of_steered_models(served):
+    """Two steered models from the command line and three more fill the registry's room (--max-steering-vectors 5):
+    the next new name is a 409 naming the bound and the fix; deleting one makes room again."""
+    models_url = "/v1/steering/models"
+    added = [f"room-{i}" for i in range(CAPACITY - 2)]
+    try:
+        for name in added:
+            assert post(served, models_url, {"name": name, "recipe": "preloaded@1"}).status_code == 201
+        full = post(served, models_url, {"name": "one-too-many", "recipe": "preloaded@1"})
+        assert full.status_code == 409 and full.json()["error"]["param"] == "name"
+        assert f"as many steered models as vectors at most ({CAPACITY}, --max-steering-vectors)" in full.text
+        assert httpx.delete(served.url + f"{models_url}/{added.pop()}", headers=AUTH).status_code == 200
+        assert post(served, models_url, {"name": "one-too-many", "recipe": "preloaded@1"}).status_code == 201
+        added.append("one-too-many")
+    finally:
+        for name in added:
+            httpx.delete(served.url + f"{models_url}/{name}", headers=AUTH)
+
+
 @pytest.mark.parametrize(
     "body, param, message",
     [

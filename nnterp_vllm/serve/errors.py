@@ -49,3 +49,12 @@ def error_json(
 def refusal(error: InvalidField) -> JSONResponse:
     """The HTTP answer to ``error``."""
     return error_json(str(error), error.param, error.status)
+
+
+def registration_answer(outcome: str, conflict: str, full: str, answer: dict) -> JSONResponse:
+    """The answer to a registration's ``outcome`` (``"created"``, ``"exists"``, ``"conflict"``, ``"full"``): 201 or
+    200 with ``answer``; 409 naming ``name`` with the message of a ``conflict`` or of a ``full`` registry."""
+    if outcome in ("conflict", "full"):
+        return error_json(conflict if outcome == "conflict" else full, "name", HTTPStatus.CONFLICT)
+    status = HTTPStatus.CREATED if outcome == "created" else HTTPStatus.OK
+    return JSONResponse(answer, status_code=status.value)

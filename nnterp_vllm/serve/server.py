@@ -48,7 +48,7 @@ from ..engines.steered import AsyncSteeredVLLM
 from ..engines.steered_settings import steered_engine_args
 from ..steering.specs import Steering
 from . import playground
-from .errors import InvalidField, error_json, error_response, naming, refusal
+from .errors import InvalidField, error_json, error_response, naming, refusal, registration_answer
 from .fields import (
     SPECS_PER_LAYER,
     check_positions,
@@ -304,23 +304,14 @@ async def register_vector(raw_request: Request) -> JSONResponse:
         name, vector = await asyncio.to_thread(read_registration, await raw_request.body(), hidden_size)
     except InvalidField as error:
         return refusal(error)
-    outcome = await registry.call("add", name, vector)
-    if outcome == "conflict":
-        return error_json(
-            f"another vector is registered as {name!r}; DELETE {VECTORS_PATH}/{name} first, or choose another name",
-            "name",
-            HTTPStatus.CONFLICT,
-        )
-    if outcome == "full":
-        capacity = raw_request.app.state.args.max_steering_vectors
-        return error_json(
-            f"the registry is full: it holds at most {capacity} vectors (--max-steering-vectors); DELETE "
-            f"{VECTORS_PATH}/NAME one no longer needed, or send the vector inline",
-            "name",
-            HTTPStatus.CONFLICT,
-        )
-    status = HTTPStatus.CREATED if outcome == "created" else HTTPStatus.OK
-    return JSONResponse({"object": "steering.vector", "name": name, "size": hidden_size}, status_code=status.value)
+    capacity = raw_request.app.state.args.max_steering_vectors
+    return registration_answer(
+        await registry.call("add", name, vector),
+        f"another vector is registered as {name!r}; DELETE {VECTORS_PATH}/{name} first, or choose another name",
+        f"the registry is full: it holds at most {capacity} vectors (--max-steering-vectors); DELETE "
+        f"{VECTORS_PATH}/NAME one no longer needed, or send the vector inline",
+        {"object": "steering.vector", "name": name, "size": hidden_size},
+    )
 
 
 @router.get(VECTORS_PATH)

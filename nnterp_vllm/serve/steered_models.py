@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .errors import InvalidField, error_json, naming, refusal
+from .errors import InvalidField, error_json, naming, refusal, registration_answer
 from .fields import checked_name, named_vectors, read_steering, with_vectors
 from .intake import decode_json
 from .registry import Vector
@@ -259,23 +259,14 @@ async def register_model(raw_request: Request) -> JSONResponse:
         await asyncio.to_thread(check_recipe, model, registered, engine.saes)
     except InvalidField as error:
         return refusal(error)
-    outcome = await names.registry.call("add_model", model)
-    if outcome == "conflict":
-        return error_json(
-            f"another recipe is registered as {model.name!r}; DELETE {MODELS_PATH}/{model.name} first, or choose "
-            "another name",
-            "name",
-            HTTPStatus.CONFLICT,
-        )
-    if outcome == "full":
-        return error_json(
-            f"the registry holds as many steered models as vectors at most ({state.args.max_steering_vectors}, "
-            f"--max-steering-vectors); DELETE {MODELS_PATH}/NAME one no longer needed",
-            "name",
-            HTTPStatus.CONFLICT,
-        )
-    status = HTTPStatus.CREATED if outcome == "created" else HTTPStatus.OK
-    return JSONResponse(_card(model.name, model.steering, names), status_code=status.value)
+    return registration_answer(
+        await names.registry.call("add_model", model),
+        f"another recipe is registered as {model.name!r}; DELETE {MODELS_PATH}/{model.name} first, or choose another "
+        "name",
+        f"the registry holds as many steered models as vectors at most ({state.args.max_steering_vectors}, "
+        f"--max-steering-vectors); DELETE {MODELS_PATH}/NAME one no longer needed",
+        _card(model.name, model.steering, names),
+    )
 
 
 def _card(name: str, steering: list[Any], names: SteeredModelNames) -> dict[str, Any]:
