@@ -55,3 +55,11 @@ def long_lived_objects_frozen(frozen_heap):
     """
     gc.collect()
     FREEZE()
+
+
+@pytest.fixture(scope="module")
+def llama_path():
+    """The tiny llama checkpoint (`tiny.checkpoint`), built once and cached."""
+    import tiny
+
+    return tiny.checkpoint("llama")

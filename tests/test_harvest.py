@@ -46,11 +46,6 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llama_path():
-    return tiny.checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def llama(llama_path):
     return StandardizedTransformer(llama_path)
 

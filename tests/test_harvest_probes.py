@@ -41,11 +41,6 @@ VALUES = ["layers.1.layer_output", "probes.one", "probes.three"]
 
 
 @pytest.fixture(scope="module")
-def llama_path():
-    return tiny.checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def llama(llama_path):
     return StandardizedTransformer(llama_path)
 

@@ -27,8 +27,8 @@ from nnterp_vllm.harvest.corpus import CorpusError
 from nnterp_vllm.harvest.store import staging
 
 VALUES = ["layers.*.layer_output"]
-# The tiny llama's module-scoped fixtures, shared with the harvest tests.
-llama_path, llama = test_harvest.llama_path, test_harvest.llama
+# The tiny llama's module-scoped fixture, shared with the harvest tests (``llama_path`` is conftest's).
+llama = test_harvest.llama
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards hex bold jumping zebras".split()
 
 

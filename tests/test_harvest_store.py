@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import s3_server
 import test_harvest
-import tiny
 import torch
 from test_harvest import documents, fails_on_the_third, write_jsonl
 
@@ -58,11 +57,6 @@ def shared_bucket(store):
 def bucket(shared_bucket, request):
     """A prefix of the module's bucket of the test's own (each bucket is a collection of volumes to the server)."""
     return f"{shared_bucket}/" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:60]
-
-
-@pytest.fixture(scope="module")
-def llama_path():
-    return tiny.checkpoint("llama")
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,6 @@ OPTIONS = {"shard_bytes": 20_000, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def llama_path():
-    return tiny.checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def on_transformers(llama_path, tmp_path_factory):
     return harvest(llama_path, documents(24, seed=3), VALUES, tmp_path_factory.mktemp("hf") / "out", **OPTIONS)
 
