@@ -11,6 +11,7 @@ shared-memory file behind) and then run the 2-replica Ray Serve deployment.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import math
@@ -724,6 +725,14 @@ def test_a_steered_name_answers_as_its_recipe_sent_as_steering(served, name, str
     response = client(served).completions.create(model=name, prompt=PROMPT, stream=stream, **GREEDY)
     models = {chunk.model for chunk in response} if stream else {response.model}
     assert models == {name}
+
+
+def test_a_steered_name_spelled_with_json_escapes_is_steered_as_plainly_spelled(served):
+    """The intake reads a body only where it may name a steered model: a name spelled with ``\\u`` escapes is one."""
+    body = json.dumps({"prompt": PROMPT, **GREEDY, **EXTRA}).replace("{", '{"model": "\\u0066ormal", ', 1)
+    response = post(served, "/v1/completions", body.encode())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == served.expected["formal"]
 
 
 def test_a_steered_names_recipe_goes_before_the_requests_own_steering(served):
@@ -1886,7 +1895,10 @@ def test_bad_steering_vectors_sources_are_refused_naming_the_entry(tmp_path):
 
 
 def test_bad_steered_model_entries_are_refused_naming_the_entry(tmp_path):
+    from nnterp_vllm.serve.fields import read_steering
     from nnterp_vllm.serve.steered_models import read_steered_model_sources
+
+    reader = functools.partial(read_steering, num_layers=3, hidden_size=HIDDEN, max_specs=12)
 
     (tmp_path / "dict.yaml").write_text("kind: add")
     (tmp_path / "wrong.json").write_text('[{"vector": "v", "layers": 1, "factor": "big"}]')
@@ -1907,8 +1919,8 @@ def test_bad_steered_model_entries_are_refused_naming_the_entry(tmp_path):
     ]
     for entries, message in cases:
         with pytest.raises(ValueError, match=f"--steered-model {re.escape(entries[-1])}.*{message}"):
-            read_steered_model_sources(entries, 3, HIDDEN, 12, vectors, {}, [MODEL])
-    read = read_steered_model_sources(["a=v@0-2:0.5+per_layer@0"], 3, HIDDEN, 12, vectors, {}, [MODEL])
+            read_steered_model_sources(entries, reader, vectors, {}, [MODEL])
+    read = read_steered_model_sources(["a=v@0-2:0.5+per_layer@0"], reader, vectors, {}, [MODEL])
     assert read["a"].steering == [
         {"kind": "add", "vector": "v", "layers": [0, 1, 2], "factor": 0.5},
         {"kind": "add", "vector": "per_layer", "layers": 0, "factor": 1.0},

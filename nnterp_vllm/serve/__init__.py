@@ -35,7 +35,7 @@ def main(argv: Sequence[str]) -> int:
     from .command_line import parse
     from .fields import read_vector_sources
     from .registry import Registry, VectorRegistry
-    from .server import engine_args, run_server, steering_specs_bound
+    from .server import engine_args, run_server, steering_reader
     from .steered_models import read_steered_model_sources
 
     cli_env_setup()
@@ -46,16 +46,12 @@ def main(argv: Sequence[str]) -> int:
     hidden_size = vllm_config.model_config.get_hidden_size()
     capacity = args.max_steering_vectors
     vectors = read_vector_sources(args.steering_vectors or [], hidden_size, capacity)
-    num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
     models = read_steered_model_sources(
         args.steered_model or [],
-        num_layers,
-        hidden_size,
-        steering_specs_bound(args, num_layers),
+        steering_reader(args, vllm_config.model_config.hf_text_config.num_hidden_layers, hidden_size),
         vectors,
         {sae.name: sae for sae in args.sae},
         args.served_model_name or [args.model],
-        args.max_relative_dose,
     )
     if args.replicas > 1:
         from .replicas import run_replicas

@@ -210,7 +210,11 @@ class RequestIntake:
         if own is not None:
             await self.app(scope, _replay(body, receive), send)
             return
-        steered = self.steered_models is not None and path in self.fields[self.steered_field].routes
+        steered = (
+            self.steered_models is not None
+            and path in self.fields[self.steered_field].routes
+            and await self.steered_models.may_be_asked(body)
+        )
         asked = None
         try:
             parsed, fields = (None, {})

@@ -106,10 +106,11 @@ class Registry:
 
     def __init__(self, registry: VectorRegistry | Any) -> None:
         self._registry = registry
-        self._local = isinstance(registry, VectorRegistry)
+        #: Whether the registry is held here (a call costs a dictionary lookup, not a request to Ray Serve).
+        self.local = isinstance(registry, VectorRegistry)
 
     async def call(self, method: str, *args: Any) -> Any:
         """``registry.method(*args)``, wherever the registry runs."""
-        if self._local:
+        if self.local:
             return getattr(self._registry, method)(*args)
         return await getattr(self._registry, method).remote(*args)

@@ -29,7 +29,7 @@ import contextlib
 import functools
 import re
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -375,6 +375,18 @@ def steering_specs_bound(args: argparse.Namespace, num_layers: int) -> int:
     return args.max_steering_specs or SPECS_PER_LAYER * num_layers
 
 
+def steering_reader(args: argparse.Namespace, num_layers: int, hidden_size: int) -> Callable[[Any], list[dict]]:
+    """How this server reads a ``steering`` field, a request's or a steered model's recipe: `read_steering` with the
+    model's sizes and the server's bounds (``--max-steering-specs``, ``--max-relative-dose``)."""
+    return functools.partial(
+        read_steering,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        max_specs=steering_specs_bound(args, num_layers),
+        max_relative_dose=args.max_relative_dose,
+    )
+
+
 def body_bound(args: argparse.Namespace, max_specs: int, hidden_size: int) -> int:
     """Bytes of a request body the server reads: ``--max-request-body-bytes``, else `MAX_BODY_BYTES` plus
     what the most specs a request may carry take as JSON."""
@@ -402,13 +414,7 @@ class SteeringEndpoints:
         """Put `RequestIntake` (body bound, ``steering`` read off the event loop) and, with ``--api-key``,
         `GuardEveryRoute` in front of everything vLLM's app does (the guard outermost)."""
         max_specs = steering_specs_bound(args, engine.num_layers)
-        read = functools.partial(
-            read_steering,
-            num_layers=engine.num_layers,
-            hidden_size=engine.hidden_size,
-            max_specs=max_specs,
-            max_relative_dose=args.max_relative_dose,
-        )
+        read = steering_reader(args, engine.num_layers, engine.hidden_size)
         capture = functools.partial(
             read_capture, num_layers=engine.num_layers, kept=engine.capture_values, saes=engine.held_saes
         )
@@ -426,8 +432,7 @@ class SteeringEndpoints:
         own_bounds = {MODELS_PATH: (bound, limit_message(bound)), **(trace_body_bound(args) if args.traces else {})}
         names = SteeredModelNames(self.registry, args.served_model_name or [args.model])
         app.state.steered_model_names = names
-        app.state.max_steering_specs = max_specs
-        app.state.max_relative_dose = args.max_relative_dose
+        app.state.read_steering = read
         stack = RequestIntake(stack, fields, bound, own_bounds, names, STEERING)
         if keys := api_keys(args):
             stack = GuardEveryRoute(stack, keys, args.metrics_without_api_key)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from .errors import InvalidField, error_json, naming, refusal, registration_answer
-from .fields import checked_name, named_vectors, read_steering, with_vectors
+from .fields import checked_name, named_vectors, with_vectors
 from .intake import decode_json
 from .registry import Vector
 
@@ -97,24 +97,18 @@ def _recipe_file(path: Path) -> list[Any]:
 
 
 def steered_model(
-    name: Any,
-    steering: Any,
-    num_layers: int,
-    hidden_size: int,
-    max_specs: int,
-    base_names: Sequence[str],
-    max_relative_dose: float | None = None,
+    name: Any, steering: Any, read: Callable[[Any], list[dict[str, Any]]], base_names: Sequence[str]
 ) -> SteeredModel:
-    """``name`` and its recipe's wire specs, checked against the model's sizes (and a relative factor against
-    ``--max-relative-dose``, as a request's); raises `InvalidField` naming the field (``name``,
-    ``steering[i].<field>``)."""
+    """``name`` and its recipe's wire specs, read by ``read`` (the server's reader of a request's ``steering``:
+    `fields.read_steering` with the model's sizes and the server's bounds); raises `InvalidField` naming the field
+    (``name``, ``steering[i].<field>``)."""
     with naming("name"):
         checked_name(name)
     if name in base_names:
         raise InvalidField(f"{name!r} is the base model's name; choose another name for a steered model", "name")
     if not steering:
         raise InvalidField(f"{name!r}: a steered model's recipe holds at least one spec", "steering")
-    return SteeredModel(name, steering, read_steering(steering, num_layers, hidden_size, max_specs, max_relative_dose))
+    return SteeredModel(name, steering, read(steering))
 
 
 def check_recipe(model: SteeredModel, registered: Mapping[str, Vector], saes: Mapping[str, Any]) -> None:
@@ -131,15 +125,13 @@ def check_recipe(model: SteeredModel, registered: Mapping[str, Vector], saes: Ma
 
 def read_steered_model_sources(
     entries: Sequence[str],
-    num_layers: int,
-    hidden_size: int,
-    max_specs: int,
+    read: Callable[[Any], list[dict[str, Any]]],
     vectors: Mapping[str, Vector],
     saes: Mapping[str, Any],
     base_names: Sequence[str],
-    max_relative_dose: float | None = None,
 ) -> dict[str, SteeredModel]:
-    """``--steered-model``'s ``NAME=RECIPE`` entries, read and checked; raises ``ValueError`` naming the bad one."""
+    """``--steered-model``'s ``NAME=RECIPE`` entries, read (``read``: as `steered_model`) and checked against the
+    vectors and SAEs held; raises ``ValueError`` naming the bad one."""
     models: dict[str, SteeredModel] = {}
     for entry in entries:
         name, separator, recipe = entry.partition("=")
@@ -148,8 +140,7 @@ def read_steered_model_sources(
                 raise ValueError(f"the form is NAME=RECIPE, a recipe being {SHORT_RULE}")
             if name in models:
                 raise ValueError(f"two entries name {name!r}")
-            specs = recipe_specs(recipe)
-            model = steered_model(name, specs, num_layers, hidden_size, max_specs, base_names, max_relative_dose)
+            model = steered_model(name, recipe_specs(recipe), read, base_names)
             check_recipe(model, vectors, saes)
         except InvalidField as error:
             where = f" ({error.param})" if error.param else ""
@@ -161,15 +152,11 @@ def read_steered_model_sources(
 
 
 def read_model_registration(
-    body: bytes,
-    num_layers: int,
-    hidden_size: int,
-    max_specs: int,
-    base_names: Sequence[str],
-    max_relative_dose: float | None = None,
+    body: bytes, read: Callable[[Any], list[dict[str, Any]]], base_names: Sequence[str]
 ) -> SteeredModel:
     """A ``POST /v1/steering/models`` body: ``{"name", "steering": [specs]}`` or ``{"name", "recipe": "<short
-    form>"}``. Raises `InvalidField`; meant to run off the event loop."""
+    form>"}``, its recipe read by ``read`` (as `steered_model`). Raises `InvalidField`; meant to run off the event
+    loop."""
     try:
         parsed = decode_json(body)
     except ValueError as error:
@@ -189,9 +176,7 @@ def read_model_registration(
             raise InvalidField(f"recipe: {SHORT_RULE}; got {type(parsed['recipe']).__name__}", "recipe")
         with naming("recipe"):
             steering = recipe_specs(parsed["recipe"], files=False)
-    return steered_model(
-        parsed.get("name"), steering, num_layers, hidden_size, max_specs, base_names, max_relative_dose
-    )
+    return steered_model(parsed.get("name"), steering, read, base_names)
 
 
 class SteeredModelNames:
@@ -201,6 +186,15 @@ class SteeredModelNames:
     def __init__(self, registry: Any, base_names: Sequence[str]) -> None:
         self.registry = registry
         self.base_names = tuple(base_names)
+
+    async def may_be_asked(self, body: bytes) -> bool:
+        """Whether ``body`` may ask for a steered model, read before anything parses it: it holds a steered model's
+        name as a JSON string, or a ``\\u`` escape (which may spell one); always where the registry is not held here
+        (asking it would cost more than the parse)."""
+        if not self.registry.local:
+            return True
+        names = await self.registry.call("model_names")
+        return bool(names) and (b"\\u" in body or any(f'"{name}"'.encode() in body for name in names))
 
     async def recipe(self, name: Any) -> list[dict[str, Any]] | None:
         """The read specs of the steered model ``name`` (``None``: a base model's name, or no steered model's)."""
@@ -247,13 +241,7 @@ async def register_model(raw_request: Request) -> JSONResponse:
     names = state.steered_model_names
     try:
         model = await asyncio.to_thread(
-            read_model_registration,
-            await raw_request.body(),
-            engine.num_layers,
-            engine.hidden_size,
-            state.max_steering_specs,
-            names.base_names,
-            state.max_relative_dose,
+            read_model_registration, await raw_request.body(), state.read_steering, names.base_names
         )
         registered = await names.registry.call("get", sorted(named_vectors(model.read)))
         await asyncio.to_thread(check_recipe, model, registered, engine.saes)
