@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,16 +52,31 @@ CAPTURE_SETTING = "capture"
 FINISHED_KEPT = 4096
 
 
-@torch.library.custom_op("nnterp_vllm::keep_rows", mutates_args=("rows",))
+#: The library holding the operations the engines add to vLLM's compiled graph (`graph_op`).
+GRAPH_OPS = torch.library.Library("nnterp_vllm", "FRAGMENT")
+
+
+def graph_op(mutates: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a function that writes its argument ``mutates`` in place as ``torch.ops.nnterp_vllm.<its name>``:
+    opaque to the compiler, so the compiled graph calls it and the buffer is written where it is (no copy of it),
+    and called straight through the dispatcher, as vLLM registers its own operations (`torch.library.custom_op`'s
+    dispatch costs several times these small writes, paid at every block of every step)."""
+
+    def register(function: Callable[..., None]) -> Callable[..., None]:
+        name = function.__name__
+        GRAPH_OPS.define(name + torch.library.infer_schema(function, mutates_args=(mutates,)))
+        GRAPH_OPS.impl(name, function, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"nnterp_vllm::{name}", lambda *args: None, lib=GRAPH_OPS)
+        return function
+
+    return register
+
+
+@graph_op(mutates="rows")
 def keep_rows(rows: torch.Tensor, slot: int, value: torch.Tensor) -> None:
     """Copy a step's ``value`` (``[tokens, hidden]``) into ``rows[slot]``: the one operation capture adds to
-    the compiled graph, opaque to the compiler, so it writes the buffer in place."""
+    the compiled graph (`graph_op`)."""
     rows[slot, : value.shape[0]].copy_(value)
-
-
-@keep_rows.register_fake
-def _keep_rows_shapes(rows: torch.Tensor, slot: int, value: torch.Tensor) -> None:
-    return None
 
 
 class CaptureRows(torch.nn.Module):

@@ -43,7 +43,7 @@ from ..errors import UnsupportedFamily
 from ..standardized import Standardized
 from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
 from ..steering.specs import EVERYWHERE, EXTRA_ARGS_KEY, STEERING_VALUES, feature_change, is_relative, slotted
-from .capture import locate, runs
+from .capture import graph_op, locate, runs
 from .memory import STEERING_PARAMS, Ledger
 from .sae_encoding import DeviceSAE
 from .steering_pool import LOCATED_VALUES, PLACED, location
@@ -72,17 +72,12 @@ PROBE_BUFFERS = {
 }
 
 
-@torch.library.custom_op("nnterp_vllm::keep_scores", mutates_args=("scores",))
+@graph_op(mutates="scores")
 def keep_scores(scores: torch.Tensor, read: torch.Tensor, here: torch.Tensor) -> None:
     """Write a block's probe reads (``read``, ``[tokens, columns]``) into the step's ``scores`` for the columns read
-    at this block (``here``): the one write probes add to the compiled graph, in place."""
+    at this block (``here``): the one write probes add to the compiled graph (`capture.graph_op`)."""
     held = scores[: read.shape[0]]
-    held.copy_(torch.where(here, read, held))
-
-
-@keep_scores.register_fake
-def _keep_scores_shapes(scores: torch.Tensor, read: torch.Tensor, here: torch.Tensor) -> None:
-    return None
+    torch.where(here, read, held, out=held)
 
 
 #: The table's buffers: its attribute -> the memory model's buffer.
@@ -163,30 +158,36 @@ class SteeringTable(torch.nn.Module):
             added = (added.float() * _times_norm(self.relative.index_select(0, entry), norm)[:, None]).to(stream.dtype)
         base = added + dropped * stream
         delta = base
+        passes = self._passes(held, self.probe_scores[: stream.shape[-2]] if self.probe_scores is not None else None)
         for slot in range(self.directions):
-            delta = delta + self._gated(self._change(stream + delta, slots, held, slot, norm), held[:, slot])
+            change = self._change(stream + delta, slots, held, slot, norm)
+            delta = delta + (change if passes is None else change * passes[:, slot, None].to(change.dtype))
         sae = self.topk.get(location)
         if sae is not None and not torch.compiler.is_compiling():  # a TopK step runs eagerly (`Steerer.eager`)
             delta = self._with_topk(sae, stream, slots, held, base, delta, norm)
         return delta
 
-    def _gated(self, change: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """``change`` (``[tokens, hidden]``) where its slot's gate passes (``at``: the slot's parameters per token;
-        a slot with no gate always passes): the gate's column of the step's probe scores, through a sigmoid where
-        asked and zero up to its floor, compared with its threshold."""
-        if self.probe_scores is None:
-            return change
-        column = at[:, GATE_COLUMN]
-        read = self.probe_scores[: change.shape[-2]].gather(1, column.clamp(min=0).long()[:, None])[:, 0]
-        read = torch.where(at[:, GATE_SIGMOID] > 0, read.sigmoid(), read)
-        value = torch.where(read > at[:, GATE_FLOOR], read, torch.zeros_like(read))
-        op, threshold = at[:, GATE_OP], at[:, GATE_THRESHOLD]
+    @staticmethod
+    def _passes(held: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether each token's slots' gates pass (``held``: the slots' parameters, ``[tokens, directions, PARAMS]``;
+        ``scores``: those tokens' probe scores this step), ``[tokens, directions]``; a slot with no gate always
+        passes (``None``: the engine reads no probes, so nothing is gated). A gate reads its column of the scores,
+        through a sigmoid where asked and zero up to its floor, and compares it with its threshold. Computed for all
+        slots at once, so the compiled graph evaluates it once per token rather than in each slot's loop over the
+        hidden dimension."""
+        if scores is None:
+            return None
+        column = held[..., GATE_COLUMN]
+        read = scores.gather(1, column.clamp(min=0).long())
+        read = torch.where(held[..., GATE_SIGMOID] > 0, read.sigmoid(), read)
+        value = torch.where(read > held[..., GATE_FLOOR], read, torch.zeros_like(read))
+        op, threshold = held[..., GATE_OP], held[..., GATE_THRESHOLD]
         passed = torch.where(
             op == 0,
             value > threshold,
             torch.where(op == 1, value >= threshold, torch.where(op == 2, value < threshold, value <= threshold)),
         )
-        return change * ((column < 0) | passed)[:, None].to(change.dtype)
+        return (column < 0) | passed
 
     @staticmethod
     def _change(
@@ -246,6 +247,7 @@ class SteeringTable(torch.nn.Module):
             added = base[chosen]  # what the entry keeps and adds, before its directions
             out = self.encoding.view(-1)[: len(chosen) * sae.d_sae].view(len(chosen), sae.d_sae)
             pre = sae.pre_activation(flat[chosen] + added, out)
+            passes = self._passes(held_of, None if self.probe_scores is None else self.probe_scores[chosen])
             change = added
             for slot in range(self.directions):
                 feature = held_of[:, slot, TOPK_FEATURE]
@@ -260,7 +262,8 @@ class SteeringTable(torch.nn.Module):
                     pre=pre.gather(-1, feature.clamp(min=0).long()[:, None])[:, 0],
                     floor=kth,
                 )
-                step = self._gated(torch.where((feature >= 0)[:, None], exact, own), held_of[:, slot])
+                step = torch.where((feature >= 0)[:, None], exact, own)
+                step = step if passes is None else step * passes[:, slot, None].to(step.dtype)
                 change = change + step
                 pre += (step.float() @ sae.W_enc) * sae.decoder_norms
             exact_delta[chosen] = change.to(delta.dtype)
