@@ -158,27 +158,25 @@ class SteeringTable(torch.nn.Module):
             added = (added.float() * _times_norm(self.relative.index_select(0, entry), norm)[:, None]).to(stream.dtype)
         base = added + dropped * stream
         delta = base
-        passes = self._passes(held, self.probe_scores[: stream.shape[-2]] if self.probe_scores is not None else None)
+        passes = self._passes(held, slice(0, stream.shape[-2]))
         for slot in range(self.directions):
-            change = self._change(stream + delta, slots, held, slot, norm)
-            delta = delta + (change if passes is None else change * passes[:, slot, None].to(change.dtype))
+            delta = delta + self._gated(self._change(stream + delta, slots, held, slot, norm), passes, slot)
         sae = self.topk.get(location)
         if sae is not None and not torch.compiler.is_compiling():  # a TopK step runs eagerly (`Steerer.eager`)
             delta = self._with_topk(sae, stream, slots, held, base, delta, norm)
         return delta
 
-    @staticmethod
-    def _passes(held: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor | None:
+    def _passes(self, held: torch.Tensor, tokens: slice | torch.Tensor) -> torch.Tensor | None:
         """Whether each token's slots' gates pass (``held``: the slots' parameters, ``[tokens, directions, PARAMS]``;
-        ``scores``: those tokens' probe scores this step), ``[tokens, directions]``; a slot with no gate always
-        passes (``None``: the engine reads no probes, so nothing is gated). A gate reads its column of the scores,
-        through a sigmoid where asked and zero up to its floor, and compares it with its threshold. Computed for all
-        slots at once, so the compiled graph evaluates it once per token rather than in each slot's loop over the
-        hidden dimension."""
-        if scores is None:
+        ``tokens``: where those tokens' probe scores sit this step), ``[tokens, directions]``; a slot with no gate
+        always passes (``None``: the engine reads no probes, so nothing is gated). A gate reads its column of the
+        scores, through a sigmoid where asked and zero up to its floor, and compares it with its threshold. Computed
+        for all slots at once, so the compiled graph evaluates it once per token rather than in each slot's loop over
+        the hidden dimension."""
+        if self.probe_scores is None:
             return None
         column = held[..., GATE_COLUMN]
-        read = scores.gather(1, column.clamp(min=0).long())
+        read = self.probe_scores[tokens].gather(1, column.clamp(min=0).long())
         read = torch.where(held[..., GATE_SIGMOID] > 0, read.sigmoid(), read)
         value = torch.where(read > held[..., GATE_FLOOR], read, torch.zeros_like(read))
         op, threshold = held[..., GATE_OP], held[..., GATE_THRESHOLD]
@@ -188,6 +186,11 @@ class SteeringTable(torch.nn.Module):
             torch.where(op == 1, value >= threshold, torch.where(op == 2, value < threshold, value <= threshold)),
         )
         return (column < 0) | passed
+
+    @staticmethod
+    def _gated(change: torch.Tensor, passes: torch.Tensor | None, slot: int) -> torch.Tensor:
+        """``change`` (``[tokens, hidden]``, direction ``slot``'s) where its gate passes (`_passes`)."""
+        return change if passes is None else change * passes[:, slot, None].to(change.dtype)
 
     @staticmethod
     def _change(
@@ -247,7 +250,7 @@ class SteeringTable(torch.nn.Module):
             added = base[chosen]  # what the entry keeps and adds, before its directions
             out = self.encoding.view(-1)[: len(chosen) * sae.d_sae].view(len(chosen), sae.d_sae)
             pre = sae.pre_activation(flat[chosen] + added, out)
-            passes = self._passes(held_of, None if self.probe_scores is None else self.probe_scores[chosen])
+            passes = self._passes(held_of, chosen)
             change = added
             for slot in range(self.directions):
                 feature = held_of[:, slot, TOPK_FEATURE]
@@ -262,8 +265,7 @@ class SteeringTable(torch.nn.Module):
                     pre=pre.gather(-1, feature.clamp(min=0).long()[:, None])[:, 0],
                     floor=kth,
                 )
-                step = torch.where((feature >= 0)[:, None], exact, own)
-                step = step if passes is None else step * passes[:, slot, None].to(step.dtype)
+                step = self._gated(torch.where((feature >= 0)[:, None], exact, own), passes, slot)
                 change = change + step
                 pre += (step.float() @ sae.W_enc) * sae.decoder_norms
             exact_delta[chosen] = change.to(delta.dtype)
