@@ -123,6 +123,46 @@ def test_an_object_is_uploaded_in_parts_several_at_once_and_appears_only_whole(b
     assert not uploads.get("Uploads")  # aborted, not left to linger
 
 
+def test_a_streamed_shard_sends_each_part_once_final_and_appears_whole_with_its_checksum(
+    bucket, monkeypatch, tmp_path
+):
+    """A shard in memory bound for S3 sends a part as soon as the worker's table has all its chunks (not one whose
+    chunks are not all there), gives back the part's memory, and appears only when finished, its bytes whole and
+    its chunked checksum in its metadata; one aborted leaves no object and no upload behind."""
+    from nnterp_vllm.harvest import streamed
+    from nnterp_vllm.harvest.checksums import CHUNK, CHUNKED, chunk_digest, file_checksum
+    from nnterp_vllm.harvest.location import Location
+
+    monkeypatch.setattr(streamed, "PART_BYTES", 5 * CHUNK)
+    place = Location.of(f"{bucket}/streamed")
+    data = os.urandom(12 * CHUNK + 4321)  # three parts, the last one short
+    (tmp_path / "on-disk").write_bytes(data)
+    expected = file_checksum(tmp_path / "on-disk", CHUNKED)
+    table = {chunk: chunk_digest(data[chunk * CHUNK : (chunk + 1) * CHUNK]) for chunk in range(12)}
+
+    shard = streamed.StreamedShard(place, "shard-00000.safetensors")
+    os.write(shard.descriptor, data)
+    shard.begin()
+    shard.send_ready({chunk: table[chunk] for chunk in range(9)})  # part 0 final; part 1 lacks chunk 9
+    [future.result() for future in shard.sending]
+    assert len(shard.sending) == 1 and shard.unsent == {1, 2}
+    assert os.fstat(shard.descriptor).st_blocks * 512 < len(data) - 4 * CHUNK  # part 0 (5 MiB) given back
+    assert place.head(shard.name) is None  # nothing visible before the end
+    assert shard.finish(table) == expected
+    assert place.read_bytes(shard.name) == data
+    assert place.head(shard.name) == (len(data), {"nnterp-checksum": f"{CHUNKED}:{expected}"})
+
+    aborted = streamed.StreamedShard(place, "shard-00001.safetensors")
+    os.write(aborted.descriptor, data)
+    aborted.begin()
+    aborted.send_ready(table)
+    aborted.abort()
+    assert place.head(aborted.name) is None
+    bucket_name, prefix = place.root.split("/", 1)
+    uploads = place.fs.call_s3("list_multipart_uploads", Bucket=bucket_name, Prefix=f"{prefix}/shard-00001")
+    assert not uploads.get("Uploads")
+
+
 def test_a_resume_heads_each_shard_and_recomputes_what_fails(llama_path, on_disk, bucket, monkeypatch):
     """Killed after two shards (a forward fails), the rerun finishes the rest; a shard removed from the store, one
     replaced by other bytes and one whose metadata lost its checksum are found with a HEAD each and recomputed."""
@@ -226,18 +266,38 @@ def test_saelens_trains_from_a_harvest_on_the_store(llama_path, bucket, tmp_path
     assert report["after"] < report["before"] / 4, report
 
 
-def test_a_vllm_harvest_in_the_engine_to_s3_is_the_one_on_disk(llama_path, bucket, tmp_path):
+def test_a_vllm_harvest_in_the_engine_to_s3_is_the_one_on_disk(llama_path, bucket, tmp_path, monkeypatch):
+    """The shards the engine's worker fills in memory are the ones it fills on disk, byte for byte; one of several
+    parts (5 MiB, S3's least) is sent part by part while its requests run, each part's memory given back once sent, and
+    lands whole with its checksum in its metadata (a resume's HEAD finds it good)."""
     from nnterp_vllm import SteeredVLLM
+    from nnterp_vllm.harvest import streamed
+    from nnterp_vllm.harvest.store import shard_problem
 
+    monkeypatch.setattr(streamed, "PART_BYTES", 5 * 2**20)
+    finishing, finish = [], streamed.StreamedShard.finish
+
+    def counted_finish(shard, final):
+        if shard.created is not None:  # parts sent during the engine's steps; the memory file's bytes still held
+            finishing.append((len(shard.sending), os.fstat(shard.descriptor).st_blocks * 512, shard.size))
+        return finish(shard, final)
+
+    monkeypatch.setattr(streamed.StreamedShard, "finish", counted_finish)
+    big = {"shard_bytes": 12 * 2**20, "progress": False}
     engine = SteeredVLLM(llama_path, dtype="float32", capture_values=VALUES, enable_prefix_caching=False)
     try:
         local = harvest(engine, documents(24, seed=3), VALUES, tmp_path / "local", **OPTIONS)
         url = f"{bucket}/vllm"
         remote = harvest(engine, documents(24, seed=3), VALUES, url, **OPTIONS)
+        local_big = harvest(engine, documents(2000, seed=5), ["layers.1.layer_output"], tmp_path / "big", **big)
+        remote_big = harvest(engine, documents(2000, seed=5), ["layers.1.layer_output"], f"{bucket}/big", **big)
     finally:
         engine.shutdown()
     assert remote.manifest["vllm_path"] == "engine"
     assert_same_shards(url, local)
+    assert_same_shards(f"{bucket}/big", local_big)
+    assert finishing and all(sent >= 1 and held < size for sent, held, size in finishing), finishing
+    assert all(shard_problem(remote_big.location, record) is None for record in remote_big.records)
 
 
 @pytest.mark.parametrize(

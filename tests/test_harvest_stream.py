@@ -394,7 +394,9 @@ def test_rows_written_again_after_their_chunk_went_to_disk_replace_it_and_withdr
     assert sorted(digests) == [1]  # value 1's rows 100..900 lie in chunk 2 (value 0's in the partial chunk 0)
 
 
-def test_where_the_file_system_refuses_direct_writes_every_row_goes_through_the_page_cache(tmp_path, monkeypatch):
+def test_where_the_file_system_refuses_direct_writes_whole_chunks_go_through_the_page_cache_with_digests(
+    tmp_path, monkeypatch
+):
     from nnterp_vllm.engines import shared_rows
 
     path = tmp_path / "shard"
@@ -411,9 +413,12 @@ def test_where_the_file_system_refuses_direct_writes_every_row_goes_through_the_
     expected = torch.randn(3, 2000, 256, generator=torch.Generator().manual_seed(4))
     written_in_steps(region, expected, seed=5)
     region.close()
-    assert refused and shared.chunk_digests() == {}
+    digests = shared.chunk_digests()
     shared.close()
+    assert refused and digests
     assert_file_holds(path, header, expected)
+    from_file = chunk_digests_from_file(path)
+    assert all(digests[chunk] == from_file[chunk] for chunk in digests)
 
 
 def test_a_chunk_failing_to_reach_the_disk_is_raised_on_the_engines_thread(tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ class SharedRows:
             self.descriptor = _memory_file(count * dtype.itemsize)
             self.path = f"/proc/{os.getpid()}/fd/{self.descriptor}"
         else:
-            self.path = str(Path(file).resolve())
+            self.path = os.path.abspath(file)  # not resolved: a memory file is reached by its /proc link
             self.table = _memory_file(-(-(start + count * dtype.itemsize) // CHUNK) * DIGEST_ENTRY)
         self.offset = start // dtype.itemsize
         mapping = torch.from_file(self.path, shared=True, size=self.offset + max(1, count), dtype=dtype)
@@ -122,9 +122,10 @@ class Region:
     complete, by `CHUNK_WRITERS` threads of the region's own, straight to the disk (``O_DIRECT``) where the file
     system allows it: the engine's thread only copies rows in memory, and no page the kernel must first allocate is
     filled (which on some machines costs more than the copy). Each such chunk's digest is computed from memory as it
-    is written and left in the client's table, so the shard's checksum reads nothing back. The rest goes through the
-    page cache, as any file's writes: the region's partial first and last chunks, a memory file, a file system
-    refusing ``O_DIRECT``, a chunk written to again after it went to the disk (its digest then withdrawn). At most
+    is written and left in the client's table once it is in the file, so the shard's checksum reads nothing back and
+    the client knows which chunks are final (a shard streamed to a store sends a part once all its chunks are). The
+    rest goes through the page cache, as any file's writes: the region's partial first and last chunks, a memory
+    file of the region's own, a chunk written to again after it went to the file (its digest then withdrawn). At most
     `QUEUED_CHUNKS` complete chunks wait for the disk (a disk slower than the engine holds it back only then), and
     `close` waits for none: those still waiting then are written through the page cache, as the writers finish theirs.
     """
@@ -142,12 +143,12 @@ class Region:
             if into.get("digests"):
                 self.table = os.open(into["digests"], os.O_WRONLY | os.O_CLOEXEC)
                 self.direct = os.open(into["path"], os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError:  # no O_DIRECT here: every write goes through the page cache
+        except OSError:  # no O_DIRECT here: whole chunks are written through the page cache too
             pass
         end = self.start + values * self.value_bytes
-        #: The chunks written whole: from byte ``low`` to byte ``high`` (none where the file takes no O_DIRECT).
-        self.low = -(-self.start // CHUNK) * CHUNK if self.direct is not None else 0
-        self.high = max(self.low, end // CHUNK * CHUNK) if self.direct is not None else 0
+        #: The chunks written whole: from byte ``low`` to byte ``high`` (none where no digest table is given).
+        self.low = -(-self.start // CHUNK) * CHUNK if self.table is not None else 0
+        self.high = max(self.low, end // CHUNK * CHUNK) if self.table is not None else 0
         #: Chunks being gathered: chunk -> its buffer and the spans of it filled so far (sorted, disjoint).
         self.gathering: dict[int, tuple[mmap.mmap, list[list[int]]]] = {}
         self.sent: set[int] = set()
@@ -245,6 +246,7 @@ class Region:
 
     def _write_run(self, chunk: int, buffers: list[mmap.mmap], direct: bool) -> None:
         """Write ``buffers`` back to back from chunk ``chunk`` on."""
+        direct = direct and self.direct is not None
         try:
             written = os.pwritev(self.direct if direct else self.descriptor, buffers, chunk * CHUNK)
         except OSError as refused:

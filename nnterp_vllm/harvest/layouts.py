@@ -237,11 +237,18 @@ class Safetensors:
         return tensor_parts(columns, own)
 
     @staticmethod
-    def place(path: Path, columns: Columns, room: list[tuple[str, torch.dtype, list[int]]], own: dict[str, Any]) -> int:
+    def place(
+        path: Path,
+        columns: Columns,
+        room: list[tuple[str, torch.dtype, list[int]]],
+        own: dict[str, Any],
+        reserve: bool = True,
+    ) -> int:
         """Begin a shard at ``path`` whose values are filled in place: write the header, ``columns`` and then room
         for the tensors ``room`` names (name, dtype, shape; back to back, in that order, each no wider an element
-        than ``columns``' narrowest; ``own``: the shard's own record); the byte at which that room starts. Its
-        checksum is the file's, once filled."""
+        than ``columns``' narrowest; ``own``: the shard's own record), the space for it taken now where ``reserve``
+        (else only the file's size set); the byte at which that room starts. Its checksum is the file's, once
+        filled."""
         parts = {name: [part.contiguous() for part in column] for name, column in columns.items()}
         tensors = _by_element_size(parts)
         head, data = safetensors_header([*tensors, *room], own)
@@ -252,7 +259,10 @@ class Safetensors:
                     handle.write(_raw(part))
             start = handle.tell()
             handle.flush()
-            os.posix_fallocate(handle.fileno(), 0, len(head) + data)  # a full disk fails here, not mid-fill
+            if reserve:
+                os.posix_fallocate(handle.fileno(), 0, len(head) + data)  # a full disk fails here, not mid-fill
+            else:
+                os.ftruncate(handle.fileno(), len(head) + data)
         return start
 
     def locate(self, source: Source, size: int) -> dict[str, Column]:

@@ -8,13 +8,14 @@ worker copies each step's kept rows straight to their places there, one copy per
 side by side. A safetensors shard's region is the shard's file itself (begun with its header and metadata and its
 disk space taken, `store.place_shard`): the rows land where the file holds them, as the worker writes them a
 chunk at a time, straight to the disk where it can, hashing each chunk as it writes it
-(`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it. A
-sae-lens shard's region, and that of a shard bound for an object store, is a memory file whose columns the writer
-writes (uploads). A shard missing any row (a worker that could not open its file dropped rows it held past its
-bound) is refused, never recorded with zeros (`lost_rows`). Nothing is done per token, or per request
-beyond adding it; a shard whose requests have all finished is taken one engine step later (its last chunks are
-written meanwhile), or at once where nothing else runs: one call to the worker (to take its requests' rows, which
-frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
+(`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it.
+A safetensors shard bound for an object store is laid out the same way in a memory file (`streamed.StreamedShard`),
+each of its parts sent once the worker has written all its chunks, checked after every engine step. A sae-lens
+shard's region is a memory file whose columns the writer writes. A shard missing any row (a worker that could not
+open its file dropped rows it held past its bound) is refused, never recorded with zeros (`lost_rows`). Nothing is
+done per token, or per request beyond adding it; a shard whose requests have all finished is taken one engine step
+later (its last chunks are written meanwhile), or at once where nothing else runs: one call to the worker (to take
+its requests' rows, which frees them there), then handed on, in corpus order, to the writer, whose queue is bounded
 (`run.BackgroundWriter`): a writer that falls behind holds the engine back only once that queue is full. A shard
 with probe scores (``probes.NAME``) takes them from the worker in the same call as its rows, and is written from its
 columns (its values' region a memory file): the scores exist only once its requests have finished.
@@ -40,7 +41,8 @@ from .compute import Job, Unit, metadata, shard_record
 from .in_engine import EngineHarvester, probes_at
 from .layouts import Columns, Safetensors, layout_of
 from .selection import PROBE_DTYPE, PROBES, token_shape
-from .store import HarvestError, Placed, own_record, place_shard
+from .store import HarvestError, Placed, own_record, place_shard, stream_shard
+from .streamed import StreamedShard
 
 #: Engine steps' worth of tokens (``max_num_batched_tokens`` each) kept in the engine: one scheduling while the one
 #: before runs, whatever the shards' sizes.
@@ -49,14 +51,16 @@ FEED_STEPS = 2
 
 @dataclass
 class OpenShard:
-    """A shard in the engine: its unit, columns, region (in its file where ``placed``; none where only probes are
-    read), the requests still running, and the engine step after which none was."""
+    """A shard in the engine: its unit, columns, region (in its file where ``placed``, in the memory of ``upload``
+    where bound for a store; none where only probes are read), the requests still running, and the engine step after
+    which none was."""
 
     unit: Unit
     columns: Columns
     region: Any
     names: list[str]
     placed: Path | None
+    upload: StreamedShard | None = None
     #: Each request's id -> (its capture key or ``None``, its probes in engine form or ``None``, the first row of
     #: the shard that is its, how many rows it keeps).
     requests: dict[str, tuple[str | None, dict[str, Any] | None, int, int]] = field(default_factory=dict)
@@ -92,7 +96,7 @@ def shards(
         if selection.probe is not None
     }
     location = job.location()
-    in_place = isinstance(layout_of(job.settings), Safetensors) and location.local is not None and not read
+    in_place = isinstance(layout_of(job.settings), Safetensors) and not read
     feed = FEED_STEPS * harvester.llm.vllm_config.scheduler_config.max_num_batched_tokens
     opened: list[OpenShard] = []
     owner: dict[str, OpenShard] = {}
@@ -103,13 +107,17 @@ def shards(
         columns, kept = metadata(unit.rows, job.positions)
         counts = [len(part) for part in columns["token_ids"]]
         shape = (len(names), sum(counts), harvester.hidden_size)
-        placed, start = None, 0
+        placed, upload, start = None, None, 0
         if in_place:
             room = [(name, dtype, list(shape[1:])) for name in names]
             own = own_record(shard_record(unit, columns), job.settings)
-            placed, start = place_shard(location.local, unit.index, columns, room, own)
-        region = SharedRows(*shape, dtype, file=placed, start=start) if names else None
-        shard = OpenShard(unit, columns, region, names, placed)
+            if location.local is not None:
+                placed, start = place_shard(location.local, unit.index, columns, room, own)
+            else:
+                upload, start = stream_shard(location, unit.index, columns, room, own)
+        file = upload.path if upload is not None else placed
+        region = SharedRows(*shape, dtype, file=file, start=start) if names else None
+        shard = OpenShard(unit, columns, region, names, placed, upload)
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
         # Each probe's scores, one part per request after this empty one.
         columns.update(
@@ -175,13 +183,22 @@ def shards(
                     shard.columns[PROBES + name].append(part[:count])
             missing += short
         if missing:
-            close(shard)
-            if shard.placed is not None:
-                shard.placed.unlink(missing_ok=True)
+            discard(shard)
             raise lost_rows(shard, missing)
-        placed = None if shard.placed is None else Placed(shard.placed, shard.region.chunk_digests())
+        placed = None
+        if shard.placed is not None or shard.upload is not None:
+            file = shard.upload.path if shard.upload is not None else shard.placed
+            placed = Placed(file, shard.region.chunk_digests(), shard.upload)
         close(shard)
         return shard.columns, placed
+
+    def discard(shard: OpenShard) -> None:
+        """Let go of ``shard`` unwritten: its file removed, its upload aborted."""
+        close(shard)
+        if shard.placed is not None:
+            shard.placed.unlink(missing_ok=True)
+        if shard.upload is not None:
+            shard.upload.abort()
 
     try:
         exhausted = False
@@ -199,6 +216,9 @@ def shards(
                 continue
             outputs = engine.step()
             steps += 1
+            for shard in opened:
+                if shard.upload is not None and shard.upload.unsent:
+                    shard.upload.send_ready(shard.region.chunk_digests())
             for output in outputs:
                 if output.finished and output.request_id in owner:
                     shard = owner.pop(output.request_id)
@@ -212,9 +232,7 @@ def shards(
             engine.abort_request(running, internal=True)
         for shard in opened:
             taken(shard)
-            close(shard)
-            if shard.placed is not None:
-                shard.placed.unlink(missing_ok=True)
+            discard(shard)
 
 
 def lost_rows(shard: OpenShard, missing: int) -> HarvestError:

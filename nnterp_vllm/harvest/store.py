@@ -35,6 +35,7 @@ from .checksums import CHECKSUM, CHECKSUMS, CHUNKED, file_checksum, recorded_che
 from .files import durable, json_bytes, staging
 from .layouts import OWN_BYTES, Columns, SaeLens, Safetensors, layout_of, parts_checksum, read_own
 from .location import CHECKSUM_KEY, Location
+from .streamed import StreamedShard
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -357,11 +358,13 @@ class Store:
 
 @dataclass(frozen=True)
 class Placed:
-    """A shard filled in place: its file (as `place_shard` began it) and the digests of the chunks its writer hashed
-    as it wrote them, by chunk (`checksums.CHUNKED`; the other chunks are read from the file)."""
+    """A shard filled in place: its file (as `place_shard` began it, or the memory file of ``upload``, bound for a
+    store) and the digests of the chunks its writer hashed as it wrote them, by chunk (`checksums.CHUNKED`; the
+    other chunks are read from the file)."""
 
     path: Path
     digests: dict[int, bytes]
+    upload: StreamedShard | None = None
 
 
 def write_shard(
@@ -375,12 +378,14 @@ def write_shard(
     """Write one shard in the layout ``settings`` name, carrying its own record (`own_record`), visible only once
     whole (locally: a temporary name, fsynced, renamed, the directory fsynced; on a store: one object, its checksum
     in its metadata); a failed write leaves nothing behind. A shard filled in place (``placed``, local) is only
-    checksummed (`checksums.CHUNKED`), fsynced and renamed."""
+    checksummed (`checksums.CHUNKED`), fsynced and renamed; one bound for a store is sent (`StreamedShard.finish`)."""
     location = out if isinstance(out, Location) else Location.of(out)
     layout = layout_of(settings)
     name = layout.file_name(index)
     try:
-        if placed:
+        if placed and placed.upload:
+            checksum, digest, size = CHUNKED, placed.upload.finish(placed.digests), placed.upload.size
+        elif placed:
             with _removed_on_failure(placed.path):
                 checksum, digest = CHUNKED, file_checksum(placed.path, CHUNKED, placed.digests)
                 durable(placed.path, location.local / name)
@@ -409,6 +414,24 @@ def place_shard(
             return temporary, Safetensors.place(temporary, columns, room, own)
     except OSError as error:
         raise _unwritable(path.name, path.parent, error) from error
+
+
+def stream_shard(
+    location: Location, index: int, columns: Columns, room: list[tuple[str, Any, list[int]]], own: dict[str, Any]
+) -> tuple[StreamedShard, int]:
+    """Begin shard ``index`` of a safetensors harvest bound for the store ``location``, its values to be filled in
+    place in memory and sent as they are (`StreamedShard`; ``columns``, ``room``, ``own`` as `place_shard` takes
+    them): the shard and the byte its room starts at. A failure leaves nothing behind."""
+    upload = StreamedShard(location, Safetensors.file_name(index))
+    try:
+        start = Safetensors.place(upload.path, columns, room, own, reserve=False)
+        upload.begin()
+    except BaseException as error:
+        upload.abort()
+        if isinstance(error, OSError):
+            raise _unwritable(upload.name, location, error) from error
+        raise
+    return upload, start
 
 
 def _unwritable(name: str, where: Any, error: OSError) -> HarvestError:
