@@ -25,11 +25,12 @@ the same rows in memory (`peers`; installed into ``.cache/`` on first use), each
 interp-engine's ``AsyncLLM`` keeps its engine core in a process of its own either way);
 and reading (b)'s harvest back with ``batches``: shuffled against sequential;
 with ``--out s3://bucket/prefix`` (the store's usual environment: ``AWS_ENDPOINT_URL``, keys), (s) our harvest on
-vLLM as (f), to the store, in the same alternating rounds as (f) to disk and (g), and reading (f)'s harvest back
-from disk against (s)'s from the store (through the read-through cache, first pass cold). (a)-(c), (g)/(f) and the
-peers run in alternating rounds (``--rounds``), so both sides of a ratio see the same load; the ratios are the median
-of the rounds'. Two workloads (``--workloads``): ``packed``, documents packed into rows of exactly the context length
-(as SAELens does; every measurement), and ``short``, whole short documents as they come (the vLLM measurements).
+vLLM as (f) (all 30, and (s3) layers.3 as (f3)), to the store, in the same alternating rounds as (f) to disk and
+(g), and reading (f)'s harvest back from disk against (s)'s from the store (through the read-through cache, first
+pass cold). (a)-(c), (g)/(f) and the peers run in alternating rounds (``--rounds``), so both sides of a ratio see
+the same load; the ratios are the median of the rounds'. Two workloads (``--workloads``): ``packed``, documents
+packed into rows of exactly the context length (as SAELens does; every measurement), and ``short``, whole short
+documents as they come (the vLLM measurements).
 
 Tokens/s and CPU time exclude model loading (CPU time: every thread of every process of the measurement, an
 engine core in its own process included); peak RSS is the measuring process's. The corpus: documents built from
@@ -260,6 +261,9 @@ def our_harvest(
         if through_nnsight:
             settings = {name: value for name, value in settings.items() if name not in ENGINE_DEFAULTS | CAPTURE_ONLY}
             settings.pop(CAPTURE_VALUES, None)
+        target = out
+        if number:
+            target = f"{out}-{number}" if isinstance(out, str) else out.with_name(f"{out.name}-{number}")
         model = load_model(checkpoint, engine, settings)
         try:
             began, cpu = time.perf_counter(), cpu_seconds()
@@ -267,7 +271,7 @@ def our_harvest(
                 model.llm if isinstance(model, EngineHarvester) else model,  # a SteeredVLLM, as a user passes one
                 str(corpus),
                 values,
-                out if number == 0 else out.with_name(f"{out.name}-{number}"),
+                target,
                 context_length=context_length,
                 overflow="pack" if context_length else None,
                 batch_size=BATCH_SIZE,
@@ -371,7 +375,7 @@ def child(name: str, checkpoint: str, corpus: Path, context_length: int | None, 
         done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out, positions="last")}
     elif name == "vllm-store":
         out = f"{known['out'].rstrip('/')}/{os.getpid()}-{time.time_ns()}"  # a new harvest each round
-        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything], out)}
+        done = {"runs": our_harvest(checkpoint, corpus, context_length, "vllm", [everything, shallow], out)}
         (scratch / "store-url").write_text(out)
     elif name in ("plain-vllm", "plain-vllm-own"):
         done = {"runs": [plain_vllm_prefill(checkpoint, corpus, context_length)]}
@@ -503,6 +507,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
         "disk": "(w) the disk: plain write + fsync, same bytes as (f)",
         "writer": "(w2) the harvest's writing alone, + fsync, same bytes",
         "vllm-store": "(s) our harvest on vLLM in the engine, all 30, to the store",
+        "vllm-store-3": f"(s3) our harvest on vLLM in the engine, layers.{SHALLOW}, to the store",
         "vllm-last": "(f-last) our harvest on vLLM in the engine, all 30, each row's last position",
     }
     rows = f"{args.documents} documents packed into rows of {args.context_length}"
@@ -567,6 +572,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, workload: s
     ratio("(f-last)/(f) tokens/s: each row's last position / every position", "vllm-last", "vllm", ">= 1")
     ratio("(s)/(f) tokens/s: to the store / to disk", "vllm-store", "vllm", ">= 0.9")
     ratio("(s)/(g) tokens/s: to the store / plain vLLM prefill", "vllm-store", "plain-vllm", "")
+    ratio("(s3)/(f3) tokens/s: one value, to the store / to disk", "vllm-store-3", "vllm-3", ">= 0.9")
     if "read-store" in results and "read-vllm" in results:
         store, disk = results["read-store"][0]["read"], results["read-vllm"][0]["read"]
         for name in ("cold", "sequential", "shuffled"):
