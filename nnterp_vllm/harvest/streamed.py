@@ -76,6 +76,7 @@ class StreamedShard:
         """Send what is left, make the object whole with its checksum in its metadata; its `checksums.CHUNKED`
         checksum. ``final``: the worker's table, as `send_ready` takes it."""
         try:
+            sent = [future.result() for future in self.sending]  # before the checksum: their chunks' digests taken
             checksum = file_checksum(self.path, CHUNKED, {**final, **self.sent_digests})
             metadata = {CHECKSUM_KEY: f"{CHUNKED}:{checksum}"}
             if self.created is None:
@@ -84,7 +85,8 @@ class StreamedShard:
                 return checksum
             for part in sorted(self.unsent):
                 self._send(part)
-            parts = sorted((future.result() for future in self.sending), key=lambda sent: sent["PartNumber"])
+            sent += [future.result() for future in self.sending[len(sent) :]]
+            parts = sorted(sent, key=lambda part: part["PartNumber"])
             self.sending = []
             self._wait(self._call("complete_multipart_upload", MultipartUpload={"Parts": parts}))
             source = {"Bucket": self.bucket, "Key": self.key}
