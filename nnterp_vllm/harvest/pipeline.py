@@ -70,6 +70,11 @@ class OpenShard:
     #: The engine steps run when its last request finished (``None`` while one runs).
     done_after: int | None = None
 
+    @property
+    def file(self) -> Path | None:
+        """The file its values are filled in (a memory file where bound for a store), or ``None``."""
+        return self.upload.path if self.upload is not None else self.placed
+
 
 def shards(
     harvester: EngineHarvester, units: Iterator[Unit], job: Job
@@ -115,9 +120,8 @@ def shards(
                 placed, start = place_shard(location.local, unit.index, columns, room, own)
             else:
                 upload, start = stream_shard(location, unit.index, columns, room, own)
-        file = upload.path if upload is not None else placed
-        region = SharedRows(*shape, dtype, file=file, start=start) if names else None
-        shard = OpenShard(unit, columns, region, names, placed, upload)
+        shard = OpenShard(unit, columns, None, names, placed, upload)
+        region = shard.region = SharedRows(*shape, dtype, file=shard.file, start=start) if names else None
         columns.update({name: [region.tensor[index]] for index, name in enumerate(names)})
         # Each probe's scores, one part per request after this empty one.
         columns.update(
@@ -185,10 +189,7 @@ def shards(
         if missing:
             discard(shard)
             raise lost_rows(shard, missing)
-        placed = None
-        if shard.placed is not None or shard.upload is not None:
-            file = shard.upload.path if shard.upload is not None else shard.placed
-            placed = Placed(file, shard.region.chunk_digests(), shard.upload)
+        placed = None if shard.file is None else Placed(shard.file, shard.region.chunk_digests(), shard.upload)
         close(shard)
         return shard.columns, placed
 
