@@ -5,17 +5,17 @@ compiled mode); SteeredVLLM with no steering, with every request steered by one 
 layer, at 8 layers, with each request's own vector (at one layer, and at 8: as many distinct vectors as prompts in
 the steering pool), with one direction ablated at every residual-stream location (`Ablate`) and capped at 8
 layers (`Cap`); SteeredVLLM built to steer nothing (``max_steering_entries=0``: no steering operation in its
-graph, the cost of the operation itself), and built to steer the blocks' outputs only (``steering_values=
-["layer_output"]``: the operation once per block); StandardizedVLLM (nnsight) steering every
-step; transformers ``generate`` with the same steering (a forward hook); and, to show what compilation
-does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
+graph, the cost of the operation itself), and built to steer the blocks' outputs only and read no probes
+(``steering_values=["layer_output"], max_probe_columns=0``: the operation once per block); StandardizedVLLM
+(nnsight) steering every step; transformers ``generate`` with the same steering (a forward hook); and, to show what
+compilation does, plain vLLM and SteeredVLLM with compilation off (``enforce_eager``).
 
 Each engine lives in its own interpreter (engines set thread counts process-wide), built once; the
-configurations of a phase (plain and steered vLLM together) are then measured in turn, ``--rounds``
-times, and each keeps its best, so a load spike on a shared machine hits one sample rather than one
-configuration (nnsight and transformers, far slower, are measured once).
-Prints tokens/s (wall clock) and each ratio to plain vLLM, and the same from the processes' CPU time
-(less disturbed by other load); asserts nothing.
+configurations of a phase are then measured in turn, ``--rounds`` times (nnsight and transformers, far slower,
+once). In the compiled phase plain vLLM runs just before each other configuration, and that configuration's ratio
+to plain vLLM is the median of those adjacent pairs' ratios (their range beside it): this machine's speed drifts by
+10% and more within minutes, so a ratio of two runs far apart measures the drift. Prints tokens/s (wall clock, best
+of the rounds), each ratio to plain vLLM, and the same from the processes' CPU time; asserts nothing.
 
 Then a steering experiment's grid: 64 cells (8 vectors x 8 factors) steering the answer only
 (``positions="generated"``) of one 1,000-token prompt, as `sweep` runs them (unsalted: every cell shares the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -54,18 +55,20 @@ STEERED = (
     "one direction capped at 8 layers",
 )
 
+PLAIN = "plain vLLM"
 #: SteeredVLLM built to steer nothing (no steering operation in its graph, as the harvest builds it): what the
 #: operation itself costs, against "SteeredVLLM, no steering".
 NO_OPERATION = "SteeredVLLM built to steer nothing"
-#: SteeredVLLM built to steer the blocks' outputs only (``steering_values=["layer_output"]``): the operation once per
-#: block, not at what each attention and MLP adds nor at the first block's input.
-BLOCKS_ONLY = "SteeredVLLM built to steer block outputs only"
+#: SteeredVLLM built to steer the blocks' outputs only and read no probes (``steering_values=["layer_output"]``,
+#: ``max_probe_columns=0``): the operation once per block, not at what each attention and MLP adds nor at the first
+#: block's input, and no probe read: the leanest engine that steers.
+BLOCKS_ONLY = "SteeredVLLM built to steer block outputs only, no probes"
 #: Phases of (engine -> the configurations it measures, whether it is measured every round): the engines
 #: of a phase are alive together and measured in turn; the slow baselines, far from plain vLLM, once.
 PHASES = [
     (
         {
-            "plain vLLM": ["plain"],
+            PLAIN: ["plain"],
             "SteeredVLLM": list(STEERED),
             NO_OPERATION: [STEERED[0]],
             BLOCKS_ONLY: [*STEERED[:5], STEERED[6]],
@@ -151,10 +154,10 @@ def transformers_generate(path: str, batch: list[str]) -> tuple[Callable, Callab
 
 
 ENGINES = {
-    "plain vLLM": (plain_vllm, {}),
+    PLAIN: (plain_vllm, {}),
     "SteeredVLLM": (steered_vllm, {}),
     NO_OPERATION: (steered_vllm, {"max_steering_entries": 0, "max_probe_columns": 0}),
-    BLOCKS_ONLY: (steered_vllm, {"steering_values": ["layer_output"]}),
+    BLOCKS_ONLY: (steered_vllm, {"steering_values": ["layer_output"], "max_probe_columns": 0}),
     "plain vLLM, compilation off": (plain_vllm, {"enforce_eager": True}),
     "SteeredVLLM, compilation off": (steered_vllm, {"enforce_eager": True}),
     "StandardizedVLLM (nnsight)": (nnsight_vllm, {}),
@@ -294,25 +297,44 @@ def main() -> None:
         grid_report(args.rounds)
         return
     best: dict[str, list[float]] = {}
+    #: Each configuration's ratios to plain vLLM measured just before it (wall, CPU), one pair per round.
+    paired: dict[str, list[tuple[float, float]]] = {}
     for phase, every_round in PHASES[:1] if args.compiled_only else PHASES:
         workers = {engine: Worker(engine, args) for engine in phase}
+
+        def measured(engine: str, configuration: str, workers: dict[str, Worker] = workers) -> tuple[float, float]:
+            name = engine if configuration == "plain" else f"{engine}, {configuration}"
+            wall, cpu = workers[engine].measure(configuration)
+            print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr, flush=True)
+            best[name] = [min(pair) for pair in zip(best.get(name, [wall, cpu]), (wall, cpu))]
+            return wall, cpu
+
         try:
             for _ in range(args.rounds if every_round else 1):
                 for engine, configurations in phase.items():
-                    for configuration in configurations:
-                        name = engine if configuration == "plain" else f"{engine}, {configuration}"
-                        wall, cpu = workers[engine].measure(configuration)
-                        print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr, flush=True)
-                        best[name] = [min(pair) for pair in zip(best.get(name, [wall, cpu]), (wall, cpu))]
+                    for configuration in configurations if engine != PLAIN else ():  # plain: before each other
+                        base = measured(PLAIN, "plain") if PLAIN in phase else None
+                        wall, cpu = measured(engine, configuration)
+                        if base is not None:
+                            paired.setdefault(f"{engine}, {configuration}", []).append((base[0] / wall, base[1] / cpu))
         finally:
             for worker in workers.values():
                 worker.close()
     generated = args.prompts * args.tokens
-    wall_base, cpu_base = best["plain vLLM"]
-    print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.tokens} new tokens, greedy, best of {args.rounds} rounds")
-    print(f"  {'':64s} {'tokens/s':>9s} {'x plain':>8s} {'CPU x plain':>12s}")
+    wall_base, cpu_base = best[PLAIN]
+    print(
+        f"SmolLM2-135M fp32, {args.prompts} prompts x {args.tokens} new tokens, greedy; tokens/s: best of "
+        f"{args.rounds} rounds; x plain: median (range) of the ratios to plain vLLM measured just before each run"
+    )
+    print(f"  {'':72s} {'tokens/s':>9s} {'x plain':>22s} {'CPU x plain':>12s}")
     for name, (wall, cpu) in best.items():
-        print(f"  {name:64s} {generated / wall:9.1f} {wall_base / wall:8.3f} {cpu_base / cpu:12.3f}")
+        if name in paired:
+            walls, cpus = (sorted(ratio[i] for ratio in paired[name]) for i in (0, 1))
+            ratio = f"{statistics.median(walls):.3f} ({walls[0]:.3f}-{walls[-1]:.3f})"
+            cpu_ratio = f"{statistics.median(cpus):.3f}"
+        else:
+            ratio, cpu_ratio = f"{wall_base / wall:.3f}", f"{cpu_base / cpu:.3f}"
+        print(f"  {name:72s} {generated / wall:9.1f} {ratio:>22s} {cpu_ratio:>12s}")
     if args.compiled_only:
         return
     eager, steered_eager = best["plain vLLM, compilation off"], best[f"SteeredVLLM, compilation off, {STEERED[1]}"]
