@@ -31,8 +31,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nnterp_vllm.checkpoints import smollm2  # noqa: E402
+from nnterp_vllm.engines.engine_defaults import engine_kwargs  # noqa: E402
 from nnterp_vllm.engines.vllm import StandardizedVLLM  # noqa: E402
-from nnterp_vllm.engines.vllm_platform import engine_kwargs  # noqa: E402
 
 SUBJECTS = ["The Eiffel Tower", "A good cup of coffee", "The history of Rome", "Quantum computers", "My favourite book"]
 MAX_MODEL_LEN = 512

@@ -93,7 +93,7 @@ def sweeps(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nnterp_vllm import LogitDiff, StandardizedVLLM, SteeredVLLM, patch_sweep
-    from nnterp_vllm.engines.vllm_platform import shutdown
+    from nnterp_vllm.engines.lifecycle import shutdown
 
     path = str(smollm2())
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -123,7 +123,8 @@ def plain_vllm_prefill(checkpoint: str, corpus: Path, context_length: int | None
     rows, one token sampled each; tokens, seconds, CPU seconds."""
     from vllm import LLM, SamplingParams
 
-    from nnterp_vllm.engines.vllm_platform import engine_kwargs, shutdown_llm
+    from nnterp_vllm.engines.engine_defaults import engine_kwargs
+    from nnterp_vllm.engines.lifecycle import shutdown_llm
     from nnterp_vllm.harvest.in_engine import ENGINE_DEFAULTS
 
     prompts = [{"prompt_token_ids": ids} for ids in harvest_rows(checkpoint, corpus, context_length)]
@@ -162,7 +163,7 @@ def harvest_writing(directory: Path, size: int) -> dict:
     chunks' digests and renamed (`store.write_shard`), then fsync; bytes, seconds."""
     import torch
 
-    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
+    from nnterp_vllm.engines.steered.shared_rows import SharedRows, open_region
     from nnterp_vllm.harvest.compute import metadata
     from nnterp_vllm.harvest.corpus import Row
     from nnterp_vllm.harvest.store import Placed, place_shard, write_shard
@@ -252,7 +253,7 @@ def our_harvest(
     from nnterp_vllm.harvest import harvest
     from nnterp_vllm.harvest.compute import build_settings, load_model
     from nnterp_vllm.harvest.in_engine import CAPTURE_ONLY, CAPTURE_VALUES, ENGINE_DEFAULTS, EngineHarvester
-    from nnterp_vllm.harvest.selection import check_selectors
+    from nnterp_vllm.specs.selection import check_selectors
 
     results = []
     for number, values in enumerate(selections):

@@ -77,12 +77,12 @@ def kv_cache_settings(checkpoint: str) -> dict:
     """The KV-cache settings our engines get on vLLM's CPU build (`engine_kwargs`), nothing else: the peers
     keep their own executor. Empty off the CPU build.
 
-    Asked of `engine_kwargs` in a process of its own: its module imports nnsight, which mounts ``save`` on every
+    Asked of `engine_kwargs` in a process of its own: it imports nnsight, which mounts ``save`` on every
     object, and vLLM then refuses any worker extension (vllm-lens's, interp-engine's) as clashing with the worker's
     own ``save``; the peers' processes stay without nnsight."""
     script = (
         "import json, sys\n"
-        "from nnterp_vllm.engines.vllm_platform import engine_kwargs\n"
+        "from nnterp_vllm.engines.engine_defaults import engine_kwargs\n"
         "built = engine_kwargs(sys.argv[1], **json.loads(sys.argv[2]))\n"
         "print(json.dumps({k: built[k] for k in ('kv_cache_memory_bytes', 'max_model_len') if k in built}))\n"
     )
@@ -108,16 +108,6 @@ def refuse_nnsight(peer: str) -> None:
         )
 
 
-def shutdown(llm: object) -> None:
-    """Shut down the engine core and renderer behind a ``vllm.LLM`` (as `vllm_platform.shutdown_llm`, whose
-    module imports nnsight)."""
-    engine = llm.llm_engine
-    engine.engine_core.shutdown()
-    renderer = getattr(engine, "renderer", None)
-    if renderer is not None:
-        renderer.shutdown()
-
-
 def _checked(name: str, per_layer: list[int], expected: int, layers: int) -> None:
     """Raise unless the peer returned ``expected`` rows at each of ``layers`` layers."""
     if len(per_layer) != layers or any(count != expected for count in per_layer):
@@ -137,6 +127,8 @@ def vllm_lens_harvest(checkpoint: str, rows: list[list[int]]) -> dict:
     import vllm_lens  # noqa: F401  (fails here, not inside vLLM's plugin loader, where it is missing)
     from vllm import LLM, SamplingParams
 
+    from nnterp_vllm.engines.lifecycle import shutdown_llm
+
     refuse_nnsight("vllm-lens")
     layers = _layers(checkpoint)
     llm = LLM(checkpoint, **ENGINE_SETTINGS, **kv_cache_settings(checkpoint))
@@ -152,7 +144,7 @@ def vllm_lens_harvest(checkpoint: str, rows: list[list[int]]) -> dict:
         kept = [output.activations["residual_stream"] for output in outputs if hasattr(output, "activations")]
         seconds, cpu = time.perf_counter() - began, cpu_seconds() - cpu
     finally:
-        shutdown(llm)
+        shutdown_llm(llm)
     if len(kept) != len(rows):
         raise RuntimeError(f"vllm-lens returned activations for {len(kept)} of {len(rows)} rows")
     shapes = {int(stream.shape[0]) for stream in kept}

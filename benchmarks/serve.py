@@ -47,7 +47,7 @@ from engines import prompts
 from nnsight.modeling.vllm.serve import http
 
 from nnterp_vllm.checkpoints import smollm2
-from nnterp_vllm.engines.remote import TRACE_PATH
+from nnterp_vllm.remote import TRACE_PATH
 
 LAYER, FACTOR = 10, 2.0
 ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(512 * 2**20)]
@@ -71,7 +71,7 @@ KEY = "benchmark-key"
 NNSIGHT_SERVE_SCRIPT = """
 import argparse, uvicorn
 from nnsight.modeling.vllm.serve.server import app, set_model
-from nnterp_vllm.engines.vllm_platform import PlatformVLLM
+from nnterp_vllm.engines.nnsight_vllm import PlatformVLLM
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -283,7 +283,7 @@ def sent_body(model: object, prompt: str, url: str) -> bytes:
 
 def measure_traces(args: argparse.Namespace) -> None:
     from nnterp_vllm import StandardizedVLLM
-    from nnterp_vllm.engines.vllm_platform import PlatformVLLM
+    from nnterp_vllm.engines.nnsight_vllm import PlatformVLLM
 
     texts = prompts(args.clients * args.traces_per_client)
     engine = {flag[2:].replace("-", "_"): value for flag, value in zip(ENGINE[::2], ENGINE[1::2])}

@@ -88,7 +88,7 @@ def vector(hidden_size: int, seed: int = 0) -> torch.Tensor:
 def plain_vllm(path: str, batch: list[str], **engine: object) -> tuple[Callable, Callable]:
     from vllm import LLM, SamplingParams
 
-    from nnterp_vllm.engines.vllm_platform import shutdown_llm
+    from nnterp_vllm.engines.lifecycle import shutdown_llm
 
     llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, **engine)
 

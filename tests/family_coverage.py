@@ -265,9 +265,10 @@ def vllm_probe(model_type: str) -> dict[str, Any]:
     import tiny
 
     from nnterp_vllm import families
+    from nnterp_vllm.checkpoints import read_config
     from nnterp_vllm.engines.vllm import StandardizedVLLM
     from nnterp_vllm.families._refused import REFUSED
-    from nnterp_vllm.families.vllm._refused import REFUSED as REFUSED_ON_VLLM
+    from nnterp_vllm.families._refused_on_vllm import REFUSED as REFUSED_ON_VLLM
 
     if model_type in REFUSED:
         return {"status": "refused", "reason": REFUSED[model_type]}
@@ -275,7 +276,7 @@ def vllm_probe(model_type: str) -> dict[str, Any]:
         return {"status": "refused", "reason": REFUSED_ON_VLLM[model_type]}
     try:
         path = tiny.vllm_checkpoint(model_type)
-        text_type = StandardizedVLLM._model_type(StandardizedVLLM._read_config(path))
+        text_type = families.model_type(read_config(path))
     except Exception as error:  # noqa: BLE001 - every failure is a row of the table
         return {"status": "not built", "reason": short(error)}
     if text_type in REFUSED_ON_VLLM:
@@ -468,7 +469,8 @@ def survey_worker(model_types: list[str]) -> None:
     """One survey process: print a ``SURVEY {json}`` line per type, and stop at the first failure."""
     import tiny
 
-    from nnterp_vllm.engines.vllm_platform import PlatformVLLM, shutdown
+    from nnterp_vllm.engines.lifecycle import shutdown
+    from nnterp_vllm.engines.nnsight_vllm import PlatformVLLM
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for model_type in model_types:

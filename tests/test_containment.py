@@ -19,7 +19,7 @@ import torch
 from vllm import LLM, SamplingParams
 
 from nnterp_vllm import EngineShutDown, SteeredVLLM, Steering
-from nnterp_vllm.steering.specs import EXTRA_ARGS_KEY, request_steering
+from nnterp_vllm.specs.steering_requests import EXTRA_ARGS_KEY, request_steering
 
 HIDDEN = tiny.SIZES["hidden_size"]
 LAYERS = tiny.SIZES["num_hidden_layers"]

@@ -49,7 +49,7 @@ def test_the_site_builds_strict_with_every_page_and_reference(tmp_path):
     for anchor in (
         "engines.transformers.StandardizedTransformer",
         "engines.vllm.StandardizedVLLM",
-        "engines.steered.SteeredVLLM",
+        "engines.steered.engine.SteeredVLLM",
         "standardized.Standardized.support",
     ):
         assert f'id="nnterp_vllm.{anchor}"' in models, anchor

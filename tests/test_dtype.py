@@ -11,10 +11,10 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, dtypes
+from nnterp_vllm.checkpoints import read_config
 from nnterp_vllm.cli import main
-from nnterp_vllm.engines.vllm_platform import engine_kwargs
+from nnterp_vllm.engines.engine_defaults import engine_kwargs
 from nnterp_vllm.harvest import harvest
-from nnterp_vllm.standardized import Standardized
 
 PROMPT = "the quick brown fox"
 VALUES = ["layers.*.layer_output"]
@@ -47,10 +47,10 @@ def manifest(out: Path) -> dict:
 
 
 def test_the_checkpoints_own_dtype(fp32_path, bf16_path, tmp_path):
-    assert dtypes.checkpoint_dtype(Standardized._read_config(fp32_path), fp32_path) == torch.float32
-    assert dtypes.checkpoint_dtype(Standardized._read_config(bf16_path), bf16_path) == torch.bfloat16
+    assert dtypes.checkpoint_dtype(read_config(fp32_path), fp32_path) == torch.float32
+    assert dtypes.checkpoint_dtype(read_config(bf16_path), bf16_path) == torch.bfloat16
     # A config naming no dtype: the weights' dtype, else float32.
-    config = Standardized._read_config(bf16_path)
+    config = read_config(bf16_path)
     config.dtype = None
     assert dtypes.checkpoint_dtype(config, bf16_path) == torch.bfloat16
     assert dtypes.checkpoint_dtype(config, tmp_path) == torch.float32
@@ -67,7 +67,7 @@ def test_vllm_engine_arguments_follow_the_rule(fp32_path, bf16_path):
     # The server's engine (`nnterp-vllm serve`, `AsyncSteeredVLLM`): vLLM's --dtype, "auto" by default.
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from nnterp_vllm.engines.steered_settings import steered_engine_args
+    from nnterp_vllm.engines.steered.steered_settings import steered_engine_args
 
     assert steered_engine_args(AsyncEngineArgs(model=str(fp32_path))).dtype == "float32"
     assert steered_engine_args(AsyncEngineArgs(model=str(bf16_path), dtype="float16")).dtype == "float16"
@@ -86,13 +86,13 @@ def test_vllm_engine_arguments_follow_the_rule(fp32_path, bf16_path):
 )
 def test_a_bad_dtype_is_refused_with_what_would_do(fp32_path, kwargs, engine, message):
     with pytest.raises(ValueError, match="'float32', 'bfloat16', 'float16'|two spellings") as raised:
-        dtypes.load_dtype(fp32_path, dict(kwargs), engine)
+        dtypes.load_dtype(fp32_path, read_config(fp32_path), dict(kwargs), engine)
     assert message in str(raised.value)
 
 
 def test_bad_dtypes_are_refused_before_anything_loads(fp32_path):
     from nnterp_vllm import StandardizedVLLM
-    from nnterp_vllm.engines.steered import SteeredVLLM
+    from nnterp_vllm.engines.steered.engine import SteeredVLLM
 
     with pytest.raises(ValueError, match="got 'float99'"):
         StandardizedTransformer(fp32_path, dtype="float99")
@@ -149,7 +149,7 @@ def test_vllm_loads_what_transformers_loads(fp32_path, bf16_path):
 
 
 def test_the_steered_engine_follows_the_rule(bf16_path):
-    from nnterp_vllm.engines.steered import SteeredVLLM
+    from nnterp_vllm.engines.steered.engine import SteeredVLLM
 
     llm = SteeredVLLM(bf16_path, torch_dtype="float32")
     try:

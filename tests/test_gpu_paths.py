@@ -30,11 +30,17 @@ import torch
 from vllm import SamplingParams
 
 from nnterp_vllm import Capture, StandardizedVLLM, SteeredVLLM, Steering
-from nnterp_vllm.engines import memory
-from nnterp_vllm.engines.capture import KeptRows, Piece, RowsLeaving
-from nnterp_vllm.engines.memory import EngineSizes, Ledger, check_room, engine_buffers
-from nnterp_vllm.engines.shared_rows import Region, SharedRows, open_region
-from nnterp_vllm.engines.vllm_platform import RUNNER_SETTING, shutdown
+from nnterp_vllm.engines.lifecycle import shutdown
+from nnterp_vllm.engines.steered import memory
+from nnterp_vllm.engines.steered.kept_delivery import KeptRows, Piece, RowsLeaving
+from nnterp_vllm.engines.steered.memory import (
+    EngineSizes,
+    Ledger,
+    check_room,
+    engine_buffers,
+)
+from nnterp_vllm.engines.steered.shared_rows import Region, SharedRows, open_region
+from nnterp_vllm.engines.vllm_environment import RUNNER_SETTING
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = ["The quick brown fox jumps", "A cup of coffee", "Rome was not built in a day, they say"]
@@ -67,7 +73,7 @@ def test_vllm_prefers_its_v2_runner_where_triton_works(vllm_prefers_v2, path):
 
 @pytest.mark.parametrize("engine", [SteeredVLLM, StandardizedVLLM])
 def test_every_engine_chooses_the_v1_runner_before_its_config_and_says_so(vllm_prefers_v2, path, engine, caplog):
-    with caplog.at_level(logging.INFO, logger="nnterp_vllm.engines.vllm_platform"):
+    with caplog.at_level(logging.INFO, logger="nnterp_vllm.engines.vllm_environment"):
         if engine is SteeredVLLM:
             model = SteeredVLLM(path, enforce_eager=True, max_model_len=128)
             config = model.llm_engine.vllm_config
@@ -121,18 +127,19 @@ class StandInCuda(Platform):
 vllm_modules_before = {m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")}
 platforms._current_platform = StandInCuda()
 import nnterp_vllm
-from nnterp_vllm.engines import runners, steered, vllm_platform
-from nnterp_vllm.engines.steered_settings import steering_settings
+from nnterp_vllm.engines import engine_defaults, vllm_platform, worker_classes
+from nnterp_vllm.engines.steered import engine, runners
+from nnterp_vllm.engines.steered.steered_settings import steering_settings
 from nnterp_vllm.serve import server
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
-kwargs = vllm_platform.engine_kwargs(sys.argv[1], dtype="float32")
-shares = [vllm_platform.notebook_share(given, "StandardizedVLLM")
+kwargs = engine_defaults.engine_kwargs(sys.argv[1], dtype="float32")
+shares = [engine_defaults.notebook_share(given, "StandardizedVLLM")
           for given in ({}, {"gpu_memory_utilization": 0.8}, {"kv_cache_memory_bytes": 2**30})]
-worker = vllm_platform.worker_class()
+worker = worker_classes.worker_class()
 steered_worker = steering_settings(sys.argv[1], {"dtype": "float32"})["worker_cls"]
 built = [resolve_obj_by_qualname(path).__name__ for path in (
-    worker, steered_worker, "nnterp_vllm.engines.runners.EngineGPUModelRunner")]
+    worker, steered_worker, "nnterp_vllm.engines.steered.runners.EngineGPUModelRunner")]
 after = torch_as_it_is()
 print(json.dumps({
     "cpu_platform": vllm_platform.is_cpu_platform(),
@@ -157,7 +164,7 @@ def test_off_the_cpu_platform_no_cpu_worker_module_is_imported_and_torch_is_left
     assert found["cpu_platform"] is False
     assert found["built"] == ["EngineGPUWorker", "EngineGPUWorker", "EngineGPUModelRunner"]
     # One worker for every engine: the notebook engine's and the steered engine's.
-    assert found["worker"] == found["steered_worker"] == "nnterp_vllm.engines.runners.EngineGPUWorker"
+    assert found["worker"] == found["steered_worker"] == "nnterp_vllm.engines.steered.runners.EngineGPUWorker"
     assert found["engine_kwargs"] == {"dtype": "float32"}  # no CPU executor, no CPU KV-cache sizing
     # The notebook engine takes its share of the device unless told; a caller's sizing wins.
     assert found["shares"] == [

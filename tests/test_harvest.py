@@ -19,10 +19,10 @@ import tiny
 import torch
 
 from nnterp_vllm import StandardizedTransformer, load_harvest
+from nnterp_vllm.checksums import recorded_checksum
 from nnterp_vllm.harvest import HarvestError, harvest
 from nnterp_vllm.harvest import files as files_module
 from nnterp_vllm.harvest import reader as reader_module
-from nnterp_vllm.harvest.checksums import recorded_checksum
 from nnterp_vllm.harvest.corpus import CorpusError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -464,7 +464,7 @@ def test_a_vllm_harvest_of_a_checkpoint_runs_only_the_blocks_it_reads(llama_path
 
 def test_a_vllm_model_built_to_run_fewer_blocks_harvests_only_what_they_reach(llama_path, tmp_path):
     from nnterp_vllm import StandardizedVLLM
-    from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS
+    from nnterp_vllm.engines.first_blocks import FIRST_BLOCKS
 
     model = StandardizedVLLM(llama_path, dtype="float32", additional_config={FIRST_BLOCKS: 1})
     try:
@@ -603,7 +603,7 @@ class TestAHarvestOnASteeredVLLM:
     def engine(self, llama_path):
         from nnterp_vllm import SteeredVLLM
         from nnterp_vllm.harvest.in_engine import engine_settings
-        from nnterp_vllm.harvest.selection import check_selectors
+        from nnterp_vllm.specs.selection import check_selectors
 
         # Built as the harvest builds its own engine: capture only, no steering operation.
         model = SteeredVLLM(llama_path, **engine_settings(check_selectors(self.VALUES, None), {"dtype": "float32"}))

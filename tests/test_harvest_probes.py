@@ -198,7 +198,7 @@ def test_the_engine_a_harvest_builds_reads_its_probes():
     values (none where it reads only probes)."""
     from nnterp_vllm.harvest.compute import build_settings
     from nnterp_vllm.harvest.in_engine import CAPTURE_VALUES
-    from nnterp_vllm.harvest.selection import check_selectors
+    from nnterp_vllm.specs.selection import check_selectors
 
     probes = make_probes(tiny.config_kwargs("llama")["hidden_size"])
     both = build_settings(check_selectors(VALUES, None, probes), "vllm", None)

@@ -123,14 +123,17 @@ def test_an_object_is_uploaded_in_parts_several_at_once_and_appears_only_whole(b
     assert not uploads.get("Uploads")  # aborted, not left to linger
 
 
-def test_a_streamed_shard_sends_each_part_once_final_and_appears_whole_with_its_checksum(
-    bucket, monkeypatch, tmp_path
-):
+def test_a_streamed_shard_sends_each_part_once_final_and_appears_whole_with_its_checksum(bucket, monkeypatch, tmp_path):
     """A shard in memory bound for S3 sends a part as soon as the worker's table has all its chunks (not one whose
     chunks are not all there), gives back the part's memory, and appears only when finished, its bytes whole and
     its chunked checksum in its metadata; one aborted leaves no object and no upload behind."""
+    from nnterp_vllm.checksums import (
+        CHUNK,
+        CHUNKED,
+        chunk_digest,
+        file_checksum,
+    )
     from nnterp_vllm.harvest import streamed
-    from nnterp_vllm.harvest.checksums import CHUNK, CHUNKED, chunk_digest, file_checksum
     from nnterp_vllm.harvest.location import Location
 
     monkeypatch.setattr(streamed, "PART_BYTES", 5 * CHUNK)

@@ -115,7 +115,7 @@ class TestOnASteeredVLLM:
     def test_rows_a_worker_cannot_place_in_shared_memory_are_copied_in(self, engine, on_transformers, tmp_path):
         """A worker that cannot map the region (on another host) keeps the rows itself; the client puts them in
         place: the same bytes as rows written in place."""
-        from nnterp_vllm.engines import capture
+        from nnterp_vllm.engines.steered import kept_rows as capture
 
         docs = documents(24, seed=3)
         in_place = harvest(engine, docs, VALUES, tmp_path / "in-place", **OPTIONS)
@@ -136,8 +136,8 @@ class TestOnASteeredVLLM:
         drops the oldest. The harvest then fails naming the shard and the cause, records no shard missing rows (the
         shards before it, whose rows were taken in time, land as the reference's) and leaves no partial file; a
         rerun where the worker can open the files finishes with the same bytes as a harvest that never failed."""
-        from nnterp_vllm.engines import capture
-        from nnterp_vllm.engines.shared_rows import SharedRows
+        from nnterp_vllm.engines.steered import kept_rows as capture
+        from nnterp_vllm.engines.steered.shared_rows import SharedRows
 
         docs, options = documents(40, seed=3), {**OPTIONS, "positions": "last"}  # about ten rows a shard
         reference = harvest(engine, docs, VALUES, tmp_path / "reference", **options)
@@ -221,8 +221,8 @@ class TestOnASteeredVLLM:
         (nothing is read back to checksum a shard): the files hold the transformers harvest's values, their
         checksums are the ones a fresh check computes from the files, and a byte changed on disk is caught."""
         from nnterp_vllm import load_harvest
-        from nnterp_vllm.engines import shared_rows
-        from nnterp_vllm.harvest.checksums import CHUNK, CHUNKED
+        from nnterp_vllm.checksums import CHUNK, CHUNKED
+        from nnterp_vllm.engines.steered import shared_rows
 
         hashed, digest = [], shared_rows.chunk_digest
         monkeypatch.setattr(shared_rows, "chunk_digest", lambda data: hashed.append(len(data)) or digest(data))
@@ -275,12 +275,12 @@ def test_a_slow_writer_holds_the_computation_back_only_once_its_queue_is_full(tm
 
 
 def test_shared_rows_written_by_another_process_are_seen_here():
-    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
+    from nnterp_vllm.engines.steered.shared_rows import SharedRows, open_region
 
     region = SharedRows(2, 5, 3, torch.float32)
     into = region.destination(first=1)
     code = (
-        "import sys, torch, json; from nnterp_vllm.engines.shared_rows import open_region; "
+        "import sys, torch, json; from nnterp_vllm.engines.steered.shared_rows import open_region; "
         "region = open_region(json.loads(sys.argv[1]), torch.float32); region.put(1, torch.full((2, 4, 3), 7.0))"
     )
     done = subprocess.run([sys.executable, "-c", code, json.dumps(into)], capture_output=True, text=True)
@@ -320,7 +320,7 @@ def test_a_vllm_harvest_of_the_pattern_and_the_experts_choice_reads_them_through
 def region_in_file(path, values: int, rows: int, hidden: int, start: int):
     """A file holding ``start`` bytes of header and room for a ``[values, rows, hidden]`` float32 region after it, as
     a harvest begins a shard; the region over it and the worker's hold of it."""
-    from nnterp_vllm.engines.shared_rows import SharedRows, open_region
+    from nnterp_vllm.engines.steered.shared_rows import SharedRows, open_region
 
     header = bytes(range(256)) * (start // 256) + bytes(start % 256)
     path.write_bytes(header)
@@ -353,7 +353,7 @@ def assert_file_holds(path, header: bytes, expected: torch.Tensor) -> None:
 
 
 def chunk_digests_from_file(path) -> dict[int, bytes]:
-    from nnterp_vllm.harvest.checksums import CHUNK, chunk_digest
+    from nnterp_vllm.checksums import CHUNK, chunk_digest
 
     data = path.read_bytes()
     return {chunk: chunk_digest(data[chunk * CHUNK : (chunk + 1) * CHUNK]) for chunk in range(-(-len(data) // CHUNK))}
@@ -362,7 +362,7 @@ def chunk_digests_from_file(path) -> dict[int, bytes]:
 def test_a_shard_region_is_written_a_chunk_at_a_time_with_digests_hashed_as_written(tmp_path):
     """Rows arriving in any order land where the file holds them; each whole chunk is hashed as it is written, equal
     to the digest of the file's chunk, so the shard's checksum over them is the one computed from the file."""
-    from nnterp_vllm.harvest.checksums import CHUNKED, file_checksum
+    from nnterp_vllm.checksums import CHUNKED, file_checksum
 
     path = tmp_path / "shard"
     header, shared, region = region_in_file(path, 3, 2000, 256, start=1000)
@@ -397,7 +397,7 @@ def test_rows_written_again_after_their_chunk_went_to_disk_replace_it_and_withdr
 def test_where_the_file_system_refuses_direct_writes_whole_chunks_go_through_the_page_cache_with_digests(
     tmp_path, monkeypatch
 ):
-    from nnterp_vllm.engines import shared_rows
+    from nnterp_vllm.engines.steered import shared_rows
 
     path = tmp_path / "shard"
     refused, opened = [], os.open
@@ -422,7 +422,7 @@ def test_where_the_file_system_refuses_direct_writes_whole_chunks_go_through_the
 
 
 def test_a_chunk_failing_to_reach_the_disk_is_raised_on_the_engines_thread(tmp_path, monkeypatch):
-    from nnterp_vllm.engines import shared_rows
+    from nnterp_vllm.engines.steered import shared_rows
 
     path = tmp_path / "shard"
     header, shared, region = region_in_file(path, 3, 2000, 256, start=1000)

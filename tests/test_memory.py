@@ -25,12 +25,19 @@ from vllm import SamplingParams
 from nnterp_vllm import Cap, Probe, SteeredVLLM, Steering
 from nnterp_vllm.checkpoints import smollm2
 from nnterp_vllm.cli import main
-from nnterp_vllm.engines import memory
-from nnterp_vllm.engines.memory import EngineSizes, Ledger, default_steering_entries, engine_buffers, total
-from nnterp_vllm.engines.planning import DEVICES, plan
-from nnterp_vllm.engines.steering_pool import PLACED, SteeringPool, needs
-from nnterp_vllm.engines.steering_table import Staging, SteeringTable, entry_content
-from nnterp_vllm.steering.specs import request_steering
+from nnterp_vllm.engines.steered import memory
+from nnterp_vllm.engines.steered.memory import (
+    EngineSizes,
+    Ledger,
+    default_steering_entries,
+    engine_buffers,
+    total,
+)
+from nnterp_vllm.engines.steered.planning import DEVICES, plan
+from nnterp_vllm.engines.steered.steerer import Staging
+from nnterp_vllm.engines.steered.steering_pool import PLACED, SteeringPool, needs
+from nnterp_vllm.engines.steered.steering_table import SteeringTable, entry_content
+from nnterp_vllm.specs.steering_requests import request_steering
 
 MiB = 2**20
 LLAMA_3_1_8B = {
@@ -468,10 +475,10 @@ def test_a_request_larger_than_the_whole_pool_is_refused_naming_the_setting(smal
 
 
 def test_steered_engines_compile_without_vllms_saved_graphs_on_every_platform(monkeypatch, caplog):
-    from nnterp_vllm.engines.steered_settings import steering_settings
+    from nnterp_vllm.engines.steered.steered_settings import steering_settings
 
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
-    with caplog.at_level(logging.INFO, logger="nnterp_vllm.engines.vllm_platform"):
+    with caplog.at_level(logging.INFO, logger="nnterp_vllm.engines.vllm_environment"):
         steering_settings(tiny.checkpoint("llama"), {})
     import os
 

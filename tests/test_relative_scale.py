@@ -24,7 +24,7 @@ from test_serve import ENGINE, Server
 from vllm import SamplingParams
 
 from nnterp_vllm import Ablate, Cap, Probe, StandardizedTransformer, SteeredVLLM, Steering, contrast_steering
-from nnterp_vllm.steering.specs import request_steering
+from nnterp_vllm.specs.steering_requests import request_steering
 from nnterp_vllm.steering.sweeps import grid_spec
 
 STEPS = 10

@@ -17,7 +17,7 @@ import tiny
 import torch
 
 from nnterp_vllm import EngineShutDown, StandardizedTransformer, StandardizedVLLM, UnavailableValue
-from nnterp_vllm.engines import vllm_platform
+from nnterp_vllm.engines import engine_defaults
 
 PROMPT = reference.PROMPT
 TOKENS = len(tiny.tokenizer()(PROMPT)["input_ids"])
@@ -250,35 +250,35 @@ def test_the_cpu_kv_cache_fits_the_context_and_caps_it_with_one_log_line(monkeyp
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     path = tiny.checkpoint("llama")
     per_token = 2 * 3 * 2 * 32 * 4  # keys and values, 3 layers, 2 key/value heads of 32, fp32
-    fitted = vllm_platform.engine_kwargs(str(path), dtype="float32")
-    assert fitted["kv_cache_memory_bytes"] == vllm_platform.CPU_KV_CACHE_BYTES  # 4 x 256 tokens is tiny
+    fitted = engine_defaults.engine_kwargs(str(path), dtype="float32")
+    assert fitted["kv_cache_memory_bytes"] == engine_defaults.CPU_KV_CACHE_BYTES  # 4 x 256 tokens is tiny
     assert "max_model_len" not in fitted
     long_context = tiny.checkpoint("llama", max_position_embeddings=2**20)
-    with caplog.at_level(logging.WARNING, logger=vllm_platform.__name__):
-        capped = vllm_platform.engine_kwargs(str(long_context), dtype="float32")
+    with caplog.at_level(logging.WARNING, logger=engine_defaults.__name__):
+        capped = engine_defaults.engine_kwargs(str(long_context), dtype="float32")
     budget = 2**30 // 4
     assert capped["kv_cache_memory_bytes"] == budget
     assert capped["max_model_len"] == budget // per_token // 128 * 128
     [line] = [record.getMessage() for record in caplog.records]
     assert f"max_model_len lowered from {2**20}" in line and "max_model_len=" in line
-    explicit = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**15)
+    explicit = engine_defaults.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**15)
     assert explicit["max_model_len"] == 2**15 and explicit["kv_cache_memory_bytes"] == 4 * 2**15 * per_token
-    beyond = vllm_platform.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**19)
+    beyond = engine_defaults.engine_kwargs(str(long_context), dtype="float32", max_model_len=2**19)
     assert beyond["max_model_len"] == 2**19 and beyond["kv_cache_memory_bytes"] == budget  # vLLM says it is short
     # A sized cache is the caller's; the dtype is the one the library loads the checkpoint in (its config's).
-    sized = vllm_platform.engine_kwargs(str(path), kv_cache_memory_bytes=7)
+    sized = engine_defaults.engine_kwargs(str(path), kv_cache_memory_bytes=7)
     assert sized == {"kv_cache_memory_bytes": 7, "dtype": "float32"}
 
 
 def test_a_steered_engine_sizes_the_cpu_kv_cache_for_its_checkpoint_as_the_others_do(monkeypatch):
     """`SteeredVLLM` (and the harvest's in-engine path, built on it) sizes the KV cache for the checkpoint's
     context, lowering ``max_model_len`` where a full-length sequence does not fit, as `StandardizedVLLM` does."""
-    from nnterp_vllm.engines.steered_settings import steering_settings
+    from nnterp_vllm.engines.steered.steered_settings import steering_settings
 
     monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=2**30))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     long_context = str(tiny.checkpoint("llama", max_position_embeddings=2**20))
-    expected = vllm_platform.engine_kwargs(long_context, dtype="float32")
+    expected = engine_defaults.engine_kwargs(long_context, dtype="float32")
     settings = steering_settings(long_context, {"dtype": "float32"})
     assert settings["max_model_len"] == expected["max_model_len"] < 2**20
     assert settings["kv_cache_memory_bytes"] == expected["kv_cache_memory_bytes"] == 2**30 // 4
@@ -286,7 +286,7 @@ def test_a_steered_engine_sizes_the_cpu_kv_cache_for_its_checkpoint_as_the_other
     assert "max_model_len" not in chosen  # the caller's stays as given
     assert (
         chosen["kv_cache_memory_bytes"]
-        == vllm_platform.engine_kwargs(long_context, dtype="float32", max_model_len=4096)["kv_cache_memory_bytes"]
+        == engine_defaults.engine_kwargs(long_context, dtype="float32", max_model_len=4096)["kv_cache_memory_bytes"]
     )
 
 

@@ -10,7 +10,7 @@ import reference
 import torch
 
 from nnterp_vllm import SAE
-from nnterp_vllm.steering.saes import sae_list
+from nnterp_vllm.specs.saes import sae_list
 
 HIDDEN = 16
 

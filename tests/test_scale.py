@@ -31,7 +31,7 @@ from nnterp_vllm import StandardizedTransformer, StandardizedVLLM, SteeredVLLM, 
 from nnterp_vllm.checkpoints import smollm2
 from nnterp_vllm.cli import main
 from nnterp_vllm.engines.cpu_executors import cpu_shares
-from nnterp_vllm.engines.vllm_platform import engine_kwargs
+from nnterp_vllm.engines.engine_defaults import engine_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = str(Path(scale_runs.__file__))

@@ -1557,7 +1557,7 @@ def test_a_trace_saving_past_the_bound_is_stopped_as_it_saves_and_the_server_hol
 def test_a_notebooks_async_engine_runs_the_servers_runner(served, transformers_model):
     """``StandardizedVLLM(..., mode="async")`` in a notebook runs on the worker (and runner) the server's engine
     runs, its trace's saves arriving on the finished output."""
-    from nnterp_vllm.engines.steered_settings import steering_settings
+    from nnterp_vllm.engines.steered.steered_settings import steering_settings
 
     path = tiny.checkpoint("llama")
     model = StandardizedVLLM(path, mode="async", dispatch=True, **ENGINE)
@@ -1882,7 +1882,7 @@ def bad_sources(tmp_path: Path) -> list[tuple[list[str], str]]:
 
 
 def test_bad_steering_vectors_sources_are_refused_naming_the_entry(tmp_path):
-    from nnterp_vllm.serve.fields import read_vector_sources
+    from nnterp_vllm.serve.vector_registration import read_vector_sources
 
     for entries, message in bad_sources(tmp_path):
         with pytest.raises(ValueError, match=f"--steering-vectors {re.escape(entries[-1])}: .*{message}"):
@@ -1895,8 +1895,8 @@ def test_bad_steering_vectors_sources_are_refused_naming_the_entry(tmp_path):
 
 
 def test_bad_steered_model_entries_are_refused_naming_the_entry(tmp_path):
-    from nnterp_vllm.serve.fields import read_steering
     from nnterp_vllm.serve.steered_models import read_steered_model_sources
+    from nnterp_vllm.serve.steering_field import read_steering
 
     reader = functools.partial(read_steering, num_layers=3, hidden_size=HIDDEN, max_specs=12)
 

@@ -33,10 +33,12 @@ from nnterp_vllm import (
     Steering,
     UnsupportedFamily,
 )
-from nnterp_vllm.engines.steered_settings import kept_values
-from nnterp_vllm.engines.vllm_platform import FIRST_BLOCKS, shutdown_llm
-from nnterp_vllm.harvest.selection import BLOCK_ORDER, Selection
-from nnterp_vllm.steering.specs import per_prompt, specs_of
+from nnterp_vllm.components.names import BLOCK_ORDER
+from nnterp_vllm.engines.first_blocks import FIRST_BLOCKS
+from nnterp_vllm.engines.lifecycle import shutdown_llm
+from nnterp_vllm.engines.steered.steered_settings import kept_values
+from nnterp_vllm.specs.selection import Selection
+from nnterp_vllm.specs.steering_requests import per_prompt, specs_of
 
 STEPS = 16
 BLOCK = 32
@@ -854,7 +856,7 @@ def test_what_the_steered_engine_cannot_serve_is_refused_before_it_loads():
 def test_an_engine_that_has_not_said_where_it_acts_refuses_ablation_everywhere():
     """An `AsyncSteeredVLLM` whose ``check_capture_values`` has not run yet refuses ``Ablate(..., layers="all")``
     rather than sending a request whose ablation no hook would apply."""
-    from nnterp_vllm.engines.steered import SteeringClient
+    from nnterp_vllm.engines.steered.client import SteeringClient
 
     with pytest.raises(ValueError, match=r"layers='all' .* not served on this model: .*call check_capture_values"):
         SteeringClient().steered_request({"prompt_token_ids": [1, 2]}, SamplingParams(), [Ablate(torch.ones(8))])

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from nnterp_vllm import StandardizedTransformer, Steering, contrast_steering, load_steering
 from nnterp_vllm.checkpoints import smollm2
-from nnterp_vllm.steering.saes import sae_layer
+from nnterp_vllm.specs.saes import sae_layer
 
 LIBRARIES = Path(__file__).resolve().parent.parent / ".cache" / "steering-libs"
 PROMPT = "The best way to spend a Sunday is"

@@ -62,71 +62,96 @@ GPU_ONLY_FOLDERS = ("vllm/third_party/", "vllm/vllm_flash_attn/")
 #: named in the code): ``(project file, expression, vLLM module, class of the expression's object)``. Those it
 #: patches are all here; of those it only reads, the engines' configuration and shutdown calls.
 INSTANCE_ATTRIBUTES = (
-    ("engines/scheduling.py", "scheduler.kv_cache_manager", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "scheduler.kv_cache_manager", "vllm.v1.core.sched.scheduler", "Scheduler"),
     (
-        "engines/scheduling.py",
+        "engines/steered/scheduling.py",
         "scheduler.kv_cache_manager.coordinator",
         "vllm.v1.core.kv_cache_manager",
         "KVCacheManager",
     ),
-    ("engines/scheduling.py", "coordinator.cache_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"),
-    # the steering pool: requests placed before they are scheduled, released as vLLM frees them
-    ("engines/scheduling.py", "scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler"),
     (
-        "engines/scheduling.py",
+        "engines/steered/scheduling.py",
+        "coordinator.cache_blocks",
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator",
+    ),
+    # the steering pool: requests placed before they are scheduled, released as vLLM frees them
+    ("engines/steered/scheduling.py", "scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    (
+        "engines/steered/scheduling.py",
         "scheduler._handle_blocked_waiting_request",
         "vllm.v1.core.sched.scheduler",
         "Scheduler",
     ),
-    ("engines/scheduling.py", "scheduler._free_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "scheduler._free_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
     # steps with trace code kept apart from the others: a running request sits a step out
-    ("engines/scheduling.py", "scheduler.running", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "scheduler.waiting", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "scheduler.current_step", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "request.next_decode_eligible_step", "vllm.v1.request", "Request"),
+    ("engines/steered/scheduling.py", "scheduler.running", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "scheduler.waiting", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "scheduler.current_step", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "request.next_decode_eligible_step", "vllm.v1.request", "Request"),
     # a step run eagerly: the forward context told to bypass the compiled model and CUDA graphs
-    ("engines/runners.py", "context.skip_compiled", "vllm.forward_context", "ForwardContext"),
-    ("engines/runners.py", "context.cudagraph_runtime_mode", "vllm.forward_context", "ForwardContext"),
-    ("engines/runners.py", "parallel_config.use_ubatching", "vllm.config.parallel", "ParallelConfig"),
+    ("engines/steered/runners.py", "context.skip_compiled", "vllm.forward_context", "ForwardContext"),
+    ("engines/steered/runners.py", "context.cudagraph_runtime_mode", "vllm.forward_context", "ForwardContext"),
+    ("engines/steered/runners.py", "parallel_config.use_ubatching", "vllm.config.parallel", "ParallelConfig"),
     # metrics read from the logits the runner's model computes, at the step a request's prompt ends
-    ("engines/logit_metrics.py", "model.compute_logits", "vllm.model_executor.models.llama", "LlamaForCausalLM"),
-    ("engines/logit_metrics.py", "state.num_prompt_tokens", "vllm.v1.worker.gpu_input_batch", "CachedRequestState"),
+    (
+        "engines/steered/logit_metrics.py",
+        "model.compute_logits",
+        "vllm.model_executor.models.llama",
+        "LlamaForCausalLM",
+    ),
+    (
+        "engines/steered/logit_metrics.py",
+        "state.num_prompt_tokens",
+        "vllm.v1.worker.gpu_input_batch",
+        "CachedRequestState",
+    ),
     # a steered request's prefix-cache blocks keyed from the first position it steers
-    ("engines/scheduling.py", "scheduler.hash_block_size", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "scheduler.add_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
-    ("engines/scheduling.py", "request.block_hashes", "vllm.v1.request", "Request"),
-    ("engines/scheduling.py", "request.all_token_ids", "vllm.v1.request", "Request"),
+    ("engines/steered/scheduling.py", "scheduler.hash_block_size", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "scheduler.add_request", "vllm.v1.core.sched.scheduler", "Scheduler"),
+    ("engines/steered/scheduling.py", "request.block_hashes", "vllm.v1.request", "Request"),
+    ("engines/steered/scheduling.py", "request.all_token_ids", "vllm.v1.request", "Request"),
     ("engines/cpu_executors.py", "current_platform.ray_device_key", "vllm.platforms.interface", "Platform"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.attention", "Attention"),
     ("engines/containment.py", "layer.forward", "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
-    ("engines/steered.py", "params.extra_args", "vllm.sampling_params", "SamplingParams"),
+    ("engines/steered/client.py", "params.extra_args", "vllm.sampling_params", "SamplingParams"),
     (
-        "engines/scheduling.py",
+        "engines/steered/scheduling.py",
         "vllm_config.scheduler_config.async_scheduling",
         "vllm.config.scheduler",
         "SchedulerConfig",
     ),
     (
-        "engines/vllm_platform.py",
+        "engines/first_blocks.py",
         "vllm_config.model_config.get_total_num_hidden_layers",
         "vllm.config.model",
         "ModelConfig",
     ),
-    ("engines/steered.py", "vllm_config.model_config.get_hidden_size", "vllm.config.model", "ModelConfig"),
-    ("engines/vllm_platform.py", "engine.engine_core.shutdown", "vllm.v1.engine.core_client", "EngineCoreClient"),
+    ("engines/steered/client.py", "vllm_config.model_config.get_hidden_size", "vllm.config.model", "ModelConfig"),
+    ("engines/lifecycle.py", "engine.engine_core.shutdown", "vllm.v1.engine.core_client", "EngineCoreClient"),
     # the attention pattern and the expert choice, rebuilt with the kernel's own rule and router
-    ("components/vllm.py", "kernel.impl", "vllm.model_executor.layers.attention.attention", "Attention"),
-    ("components/vllm.py", "impl.scale", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
-    ("engines/kv_cache.py", "kernel.kv_cache", "vllm.model_executor.layers.attention.attention", "Attention"),
-    ("engines/kv_cache.py", "kernel.attn_backend", "vllm.model_executor.layers.attention.attention", "Attention"),
+    ("components/vllm_attention.py", "kernel.impl", "vllm.model_executor.layers.attention.attention", "Attention"),
+    ("components/vllm_attention.py", "impl.scale", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("components/kv_cache.py", "kernel.kv_cache", "vllm.model_executor.layers.attention.attention", "Attention"),
+    ("components/kv_cache.py", "kernel.attn_backend", "vllm.model_executor.layers.attention.attention", "Attention"),
     (
-        "engines/kv_cache.py",
+        "components/kv_cache.py",
         "kernel.kv_sharing_target_layer_name",
         "vllm.model_executor.layers.attention.attention",
         "Attention",
     ),
-    ("engines/kv_cache.py", "impl.do_kv_cache_update", "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
-    ("components/vllm.py", "kernel.layer_name", "vllm.model_executor.layers.attention.attention", "Attention"),
+    (
+        "components/kv_cache.py",
+        "impl.do_kv_cache_update",
+        "vllm.v1.attention.backends.flash_attn",
+        "FlashAttentionImpl",
+    ),
+    (
+        "components/vllm_attention.py",
+        "kernel.layer_name",
+        "vllm.model_executor.layers.attention.attention",
+        "Attention",
+    ),
     ("components/vllm.py", "runner.router", "vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
     (
         "components/vllm.py",
@@ -334,8 +359,8 @@ def worker_classes() -> tuple[type, ...]:
     import nnterp_vllm.engines as engines
 
     candidates: list[Any] = []
-    for info in pkgutil.iter_modules(engines.__path__):
-        module = importlib.import_module(f"{engines.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(engines.__path__, f"{engines.__name__}."):
+        module = importlib.import_module(info.name)
         if "__getattr__" in vars(module):
             names = [name for value in list(vars(module).values()) if isinstance(value, tuple) for name in value]
             for name in (name for name in names if isinstance(name, str) and name.isidentifier()):
@@ -546,7 +571,7 @@ def test_earlier_keys_are_read_back_from_the_gpu_backends_cache_layout(gpu: Sour
     writer and reads a request's keys back through a scattered block table, whole or the last ``window - 1``."""
     import torch
 
-    from nnterp_vllm.engines import kv_cache
+    from nnterp_vllm.components import kv_cache
 
     for module, impl, metadata in CACHE_READ_BACKENDS:
         writer = gpu.member(*gpu.class_node(module, impl), "do_kv_cache_update")
@@ -581,7 +606,7 @@ def test_caches_that_hold_no_plain_keys_are_not_read_back(gpu: SourceTree) -> No
     is refused with its reason (the attributes read are the GPU build's, `INSTANCE_ATTRIBUTES`)."""
     from types import SimpleNamespace
 
-    from nnterp_vllm.engines.kv_cache import unreadable_reason
+    from nnterp_vllm.components.kv_cache import unreadable_reason
 
     backend = gpu.member(
         *gpu.class_node("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),

@@ -12,8 +12,11 @@ import pytest
 import tiny
 import torch
 
-from nnterp_vllm.engines import vllm_platform
-from nnterp_vllm.engines.vllm_platform import PlatformVLLM, engine_kwargs, is_cpu_platform, shutdown
+from nnterp_vllm.engines.engine_defaults import CPU_KV_CACHE_BYTES, engine_kwargs
+from nnterp_vllm.engines.lifecycle import shutdown
+from nnterp_vllm.engines.nnsight_vllm import PlatformVLLM
+from nnterp_vllm.engines.vllm_platform import is_cpu_platform
+from nnterp_vllm.engines.worker_classes import worker_class
 
 ATOL = 1e-4
 PROMPTS = ["Hello world", "The cat sat on the mat."]
@@ -59,7 +62,7 @@ def test_engine_kwargs():
     if is_cpu_platform():
         assert kwargs["dtype"] == "float32"
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            assert kwargs["kv_cache_memory_bytes"] == vllm_platform.CPU_KV_CACHE_BYTES
+            assert kwargs["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
         with pytest.raises(TypeError):
             engine_kwargs(worker_cls="x.Y")
     else:
@@ -71,9 +74,9 @@ def test_worker_classes_resolve_by_dotted_path():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from nnterp_vllm.engines import runners
+    from nnterp_vllm.engines.steered import runners
 
-    worker = resolve_obj_by_qualname(vllm_platform.worker_class())
+    worker = resolve_obj_by_qualname(worker_class())
     assert issubclass(worker, CPUWorker)
     assert issubclass(runners.EngineCPUModelRunner, CPUModelRunner)
     for name in ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered"):

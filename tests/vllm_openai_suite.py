@@ -65,7 +65,7 @@ if __name__ == "__main__":  # vLLM's engine processes are spawned: they import t
 """
 
 
-def test_files(source: Path) -> list[Path]:
+def suite_files(source: Path) -> list[Path]:
     """vLLM's OpenAI test files this suite runs."""
     files = sorted((source / "tests" / "entrypoints" / "openai").rglob("test_*.py"))
     return [path for path in files if not any(word in str(path.relative_to(source)) for word in LEFT_OUT)]
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(DEPENDENCIES)]
         subprocess.run([*pip, *TEST_DEPENDENCIES], check=True)
     source = args.source.resolve()
-    files = test_files(source)
+    files = suite_files(source)
     args.out.mkdir(parents=True, exist_ok=True)
     servers = [args.only] if args.only else list(SERVERS)
     results: dict[str, dict[str, str]] = {server: {} for server in servers}

@@ -10,15 +10,23 @@ put back through the block's own ``layer_output`` descriptor, so it serves on ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from nnsight.intervention.envoy import Envoy
 
 from .values import NNSIGHT_ONLY, Value
 
-if TYPE_CHECKING:
-    from ..steering.saes import SAE
+
+class SAE(Protocol):
+    """What the value needs of an SAE (`nnterp_vllm.SAE` is one): its encoder and its decoder's rows, on a device."""
+
+    def on(self, device: torch.device) -> SAE: ...
+
+    def encode(self, stream: torch.Tensor) -> torch.Tensor: ...
+
+    def decoder_rows(self) -> torch.Tensor: ...
+
 
 #: Why a block serves no SAE features.
 NO_SAE = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import EngineShutDown
-from .vllm_platform import shutdown_llm
+from .lifecycle import shutdown_llm
 
 #: The parts of a ``vllm.LLM`` its methods reach the engine through.
 LLM_PARTS = ("llm_engine", "renderer", "input_processor")

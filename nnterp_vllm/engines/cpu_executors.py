@@ -1,6 +1,6 @@
 """vLLM executors for its CPU build: thread placement per rank, Ray's ``CPU`` resource for Ray ranks, no leftovers.
 
-`engine_kwargs` (``vllm_platform``) names one of these as ``distributed_executor_backend`` on vLLM's CPU platform
+`engine_kwargs` (``engine_defaults``) names one of these as ``distributed_executor_backend`` on vLLM's CPU platform
 (never elsewhere: on GPUs vLLM's own executors run unchanged):
 
 - `CPUMultiprocExecutor` for ranks in processes of their own on this machine (vLLM's ``"mp"``, which its CPU

@@ -10,10 +10,11 @@ import torch
 from nnsight import TransformersModel
 
 from .. import arguments, dtypes, families, nnterp_options
+from ..checkpoints import read_config
 from ..families import default
+from ..remote import checkpoint_key
 from ..standardized import SAEs, Standardized, max_positions
 from . import saving
-from .remote import checkpoint_key
 from .tensor_parallel import as_distributed_config, check_heads_split, transformers_degree
 from .tracing import Tracer, one_forward_pass, refuse_generation_arguments, warn_mediators_wrote_parameters
 
@@ -64,14 +65,14 @@ class StandardizedTransformer(Standardized, TransformersModel):
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
         as_distributed_config(kwargs)
         degree = transformers_degree(kwargs)
+        config = read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         if degree > 1:
-            config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
             check_heads_split(config, degree, replicated_kv=False)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}
-        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, base, saes)
+        maps = self._maps(config, family, nnterp.merged(rename), envoys, base, saes)
         if not isinstance(checkpoint, torch.nn.Module):
             kwargs.setdefault("attn_implementation", "eager")
-            _loading_dtype(checkpoint, kwargs)
+            _loading_dtype(checkpoint, config, kwargs)
             checkpoint = str(checkpoint)
         else:
             _loaded_dtype(checkpoint, kwargs)
@@ -90,7 +91,7 @@ class StandardizedTransformer(Standardized, TransformersModel):
         return next(parameter.dtype for parameter in self._module.parameters() if parameter.is_floating_point())
 
     def _remoteable_model_key(self) -> str:
-        """The checkpoint half of this model's remote key (`engines.remote`): nnsight's, a local directory named by
+        """The checkpoint half of this model's remote key (`remote`): nnsight's, a local directory named by
         its absolute path instead of being looked up on the hub."""
         from nnsight.modeling import huggingface
 
@@ -143,9 +144,10 @@ class StandardizedTransformer(Standardized, TransformersModel):
             warn_mediators_wrote_parameters(self, mediators)
 
 
-def _loading_dtype(checkpoint: Any, kwargs: dict[str, Any]) -> None:
-    """Set ``kwargs["dtype"]`` to the dtype ``checkpoint`` loads in (`dtypes.load_dtype`), the rule vLLM's engines
-    follow too; a quantization name (nnsight's ``dtype="nf4"``, ...) or a per-module dict passes as it is."""
+def _loading_dtype(checkpoint: Any, config: Any, kwargs: dict[str, Any]) -> None:
+    """Set ``kwargs["dtype"]`` to the dtype ``checkpoint`` (its config ``config``) loads in (`dtypes.load_dtype`),
+    the rule vLLM's engines follow too; a quantization name (nnsight's ``dtype="nf4"``, ...) or a per-module dict
+    passes as it is."""
     from nnsight.modeling.quantization import quantization
 
     spelling, value = dtypes.given(kwargs)
@@ -153,7 +155,7 @@ def _loading_dtype(checkpoint: Any, kwargs: dict[str, Any]) -> None:
         kwargs[spelling] = value
         return
     kwargs[spelling] = value
-    kwargs["dtype"] = dtypes.load_dtype(checkpoint, kwargs, families.TRANSFORMERS)
+    kwargs["dtype"] = dtypes.load_dtype(checkpoint, config, kwargs, families.TRANSFORMERS)
 
 
 def _loaded_dtype(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

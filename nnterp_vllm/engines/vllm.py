@@ -23,24 +23,32 @@ from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 
 from .. import arguments, families, nnterp_options
+from ..checkpoints import read_config
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
 from ..components.vllm import (
     CHOICE_WRITE,
-    PATTERN_WRITE,
     ExpertChoice,
     Flat,
     Hidden,
-    Pattern,
     RoutedEither,
     flat,
     gathered,
 )
+from ..components.vllm_attention import PATTERN_WRITE, Pattern
 from ..errors import UnavailableValue, UnsupportedFamily
+from ..remote import (
+    TRACE_PATH,
+    checkpoint_key,
+    load_answer,
+    warn_plain_http,
+)
 from ..standardized import SAEs, Standardized, family_gaps
 from . import saving
 from .closed import refuse_after_shutdown
-from .remote import TRACE_PATH, checkpoint_key, load_answer, warn_plain_http
+from .first_blocks import blocks_to_run
+from .lifecycle import shutdown
+from .nnsight_vllm import PlatformVLLM
 from .tensor_parallel import check_heads_split
 from .tracing import (
     PARAMETER_READS,
@@ -49,7 +57,6 @@ from .tracing import (
     refuse_generation_arguments,
     warn_parameters_written,
 )
-from .vllm_platform import PlatformVLLM, blocks_to_run, shutdown
 
 
 class VLLMTracer(OneAtATime, NNsightVLLMTracer):
@@ -287,11 +294,11 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
-        maps = self._maps(checkpoint, family, nnterp.merged(rename), envoys, kwargs, parallel_envoys(), saes)
+        config = read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        maps = self._maps(config, family, nnterp.merged(rename), envoys, parallel_envoys(), saes)
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
-        config = self._read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
         check_heads_split(config, self._tensor_parallel_size, replicated_kv=True)
-        super().__init__(str(checkpoint), **maps, **kwargs)
+        super().__init__(str(checkpoint), checkpoint_config=config, **maps, **kwargs)
         nnterp.apply(self)
         #: How many blocks each forward runs: all, unless built with ``additional_config={FIRST_BLOCKS: n}``
         #: (`run_first_blocks`: values past them, the final norm and the logits included, are then the cut model's).
@@ -357,7 +364,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         return super().edit(serve=serve, api_key=api_key, **kwargs)
 
     def _remoteable_model_key(self) -> str:
-        """The checkpoint half of this model's remote key (`engines.remote`): a local directory's absolute path, or
+        """The checkpoint half of this model's remote key (`remote`): a local directory's absolute path, or
         the hub id."""
         return checkpoint_key(self.args[0])
 

@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 import warnings
 from types import ModuleType
+from typing import Any
 
 from ..errors import UnsupportedFamily
 from ._refused import REFUSED
@@ -35,6 +36,12 @@ def _engine(engine: str | None) -> str:
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
     return engine
+
+
+def model_type(config: Any) -> str:
+    """The model_type ``config``'s family is looked up by: the text model's, on a multimodal config."""
+    text = getattr(config, "text_config", None)
+    return getattr(text, "model_type", None) or config.model_type
 
 
 def module_name(model_type: str) -> str:
@@ -85,7 +92,7 @@ def lookup(model_type: str, engine: str | None = None) -> ModuleType:
     if model_type in REFUSED:
         raise UnsupportedFamily(f"model_type {model_type!r} is not served: {REFUSED[model_type]}")
     if engine == VLLM:
-        from .vllm._refused import REFUSED as REFUSED_ON_VLLM
+        from ._refused_on_vllm import REFUSED as REFUSED_ON_VLLM
 
         if model_type in REFUSED_ON_VLLM:
             raise UnsupportedFamily(

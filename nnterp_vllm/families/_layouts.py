@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..components import Attention, Layer, Mlp, Value
+from ..components import Attention, Layer, Mlp, Value, vllm_attention
 from ..components import vllm as on_vllm
 
 #: The containers of every model on transformers' llama layout (``model.{embed_tokens, layers, norm}``).
@@ -84,7 +84,7 @@ VLLM_POST_NORMS = {
 def vllm_classes(
     module: str,
     layer: type = on_vllm.DualStreamLayer,
-    attention: type = on_vllm.Attention,
+    attention: type = vllm_attention.Attention,
     mlp: type = on_vllm.Mlp,
     *,
     attention_output: str | None = None,
@@ -145,7 +145,7 @@ def _backend_class(cls: type, module: str) -> type:
     if issubclass(cls, Attention):
         # The interior is vLLM's kernel's; what the family says is missing (a reason given as text) stays missing.
         gaps = {name: value for name, value in cls.values().items() if isinstance(value.unavailable, str)}
-        base, namespace = on_vllm.TransformersAttention, {"OUTPUT_PROJECTION": cls.OUTPUT_PROJECTION, **gaps}
+        base, namespace = vllm_attention.TransformersAttention, {"OUTPUT_PROJECTION": cls.OUTPUT_PROJECTION, **gaps}
     else:
         values = {}
         for klass in reversed(cls.__mro__):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .checksums import recorded_checksum
+from ..checksums import recorded_checksum
 from .files import staging
 from .layouts import Source
 from .location import Location

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from ..components.names import ATTENTION_INTERIOR
+from ..specs.selection import Selection, Selector, blocks_needed
 from . import in_engine
 from .corpus import Row
 from .in_engine import CAPTURE_VALUES, EngineHarvester
 from .layouts import METADATA, Columns
 from .location import Location
-from .selection import ATTENTION_INTERIOR, Selection, Selector, blocks_needed
 from .store import Placed, write_shard
 
 ENGINES = ("transformers", "vllm")
@@ -88,7 +89,7 @@ def build_settings(selectors: list[Selector], engine: str, model_kwargs: dict[st
         return kwargs
     blocks = blocks_needed(selectors)
     if blocks is not None:
-        from ..engines.vllm_platform import FIRST_BLOCKS
+        from ..engines.first_blocks import FIRST_BLOCKS
 
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), FIRST_BLOCKS: blocks}
     return in_engine.engine_settings(selectors, kwargs) if in_engine.serves(selectors) else kwargs
@@ -114,7 +115,7 @@ def blocks_run(selectors: list[Selector], model: Any) -> int:
     needed = blocks_needed(selectors)
     if model.ENGINE != "vllm":
         return model.num_layers if needed is None else min(needed, model.num_layers)
-    from ..engines.vllm_platform import FIRST_BLOCKS
+    from ..engines.first_blocks import FIRST_BLOCKS
 
     if model.blocks_run < (needed or model.num_layers):
         raise ValueError(
@@ -130,7 +131,7 @@ def load_model(model: Any, engine: str, model_kwargs: dict[str, Any] | None = No
     engine keeping them (undispatched: nnsight's weightless tree, which names and sizes the same values)."""
     engine = engine_name(engine)
     if not isinstance(model, (str, Path)):
-        steered = sys.modules.get("nnterp_vllm.engines.steered")
+        steered = sys.modules.get("nnterp_vllm.engines.steered.engine")
         return EngineHarvester(model) if steered and isinstance(model, steered.SteeredVLLM) else model
     kwargs = dict(model_kwargs or {})
     if engine == "vllm":

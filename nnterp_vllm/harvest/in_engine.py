@@ -1,13 +1,13 @@
 """The vLLM harvest's in-engine path: the engine keeps the selected values itself, inside its compiled model.
 
-Where every selected value is a stream the engine keeps (`capture.STATIC_VALUES`), a vLLM harvest of a
+Where every selected value is a stream the engine keeps (`components.names.STATIC_VALUES`), a vLLM harvest of a
 checkpoint builds a `SteeredVLLM` keeping exactly those values (`engine_settings`) and runs the shards' rows as
 one continuous stream of prefill-only requests (one token sampled, no prefix cache, the blocks up to the deepest
 value read; `pipeline`), the engine's core in the harvest's own process unless the caller set vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` (`in_process_by_default`). The worker copies each step's kept rows straight
 into the shard's columns, in shared memory, in the harvest's dtype; they never travel one token or one request at
 a time through the engine's output queue. A probe's scores (``probes.NAME``) are the engine's own probe reads
-(`steering.probes`): its engine is built with a probe column per class of the probes read (``max_probe_columns``),
+(`specs.probes`): its engine is built with a probe column per class of the probes read (``max_probe_columns``),
 and each request reads them at the positions it keeps. Other values (the attention interior, the experts' choice,
 logits) go through nnsight (`StandardizedVLLM`); the manifest's ``vllm_path`` says which path ran and
 ``engine_process`` where the engine ran.
@@ -23,9 +23,17 @@ from typing import Any
 
 import torch
 
-from ..capture import NNSIGHT_PATH, STATIC_BLOCK_VALUES, STATIC_ROOT_VALUES, STATIC_VALUES, Capture
+from ..components.names import (
+    BLOCK_ORDER,
+    MODULE_OUTPUTS,
+    ROOT_VALUES,
+    STATIC_BLOCK_VALUES,
+    STATIC_ROOT_VALUES,
+    STATIC_VALUES,
+)
+from ..specs.capture import NNSIGHT_PATH, Capture
+from ..specs.selection import PROBES, Selection, Selector
 from .corpus import Row
-from .selection import BLOCK_ORDER, MODULE_OUTPUTS, PROBES, ROOT_VALUES, Selection, Selector
 
 #: What the harvest's engine is built with unless the caller says otherwise: no prefix cache (no prompt is
 #: seen twice), steps of this many tokens (each kept value holds a buffer row of as many).
@@ -83,7 +91,7 @@ class EngineHarvester:
     PATH = "engine"
 
     def __init__(self, model: Any, **kwargs: Any) -> None:
-        from ..engines.steered import SteeredVLLM
+        from ..engines.steered.engine import SteeredVLLM
 
         self.owned = not isinstance(model, SteeredVLLM)
         self.chose_in_process = self.owned and in_process_by_default()
@@ -98,7 +106,7 @@ class EngineHarvester:
         self.num_layers = self.llm.num_layers
         self.hidden_size = self.llm.hidden_size
         self.dtype = model_config.dtype
-        from ..engines.vllm_platform import blocks_to_run
+        from ..engines.first_blocks import blocks_to_run
 
         self.blocks_run = blocks_to_run(self.llm.vllm_config.additional_config, self.num_layers)
 
@@ -175,7 +183,7 @@ class EngineHarvester:
         if self.chose_in_process:
             self.chose_in_process = False
             os.environ.pop(MULTIPROCESSING, None)
-            from ..engines.vllm_platform import reread_environment
+            from ..engines.vllm_environment import reread_environment
 
             reread_environment()
 
@@ -187,7 +195,7 @@ def in_process_by_default() -> bool:
     if MULTIPROCESSING in os.environ:
         return False
     os.environ[MULTIPROCESSING] = "0"
-    from ..engines.vllm_platform import reread_environment
+    from ..engines.vllm_environment import reread_environment
 
     reread_environment()
     return True

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checksums import CHECKSUM, HASHES, recorded_checksum
+from ..checksums import CHECKSUM, HASHES, recorded_checksum
 from .files import json_bytes
 from .location import Location
 

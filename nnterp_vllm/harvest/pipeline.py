@@ -3,12 +3,12 @@
 `shards` keeps at least `FEED_STEPS` engine steps' worth of tokens in the engine, opening as many shards as that
 takes (a shard's requests are added all at once), so the next shard's rows are scheduled while the last requests
 of the one before finish (the engine never drains at a shard's end), and steps it itself. Each open shard has its
-values' region of shared memory (`engines.shared_rows.SharedRows`), laid out as the shard's columns: the engine's
-worker copies each step's kept rows straight to their places there, one copy per step for the requests that lie
+values' region of shared memory (`engines.steered.shared_rows.SharedRows`), laid out as the shard's columns: the
+engine's worker copies each step's kept rows straight to their places there, one copy per step for the requests that lie
 side by side. A safetensors shard's region is the shard's file itself (begun with its header and metadata and its
 disk space taken, `store.place_shard`): the rows land where the file holds them, as the worker writes them a
 chunk at a time, straight to the disk where it can, hashing each chunk as it writes it
-(`engines.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it.
+(`engines.steered.shared_rows.Region`), and writing the shard is taking the checksum over those digests and renaming it.
 A safetensors shard bound for an object store is laid out the same way in a memory file (`streamed.StreamedShard`),
 each of its parts sent once the worker has written all its chunks, checked after every engine step. A sae-lens
 shard's region is a memory file whose columns the writer writes. A shard missing any row (a worker that could not
@@ -23,7 +23,7 @@ columns (its values' region a memory file): the scores exist only once its reque
 Memory: the regions of the open shards and of the shards queued for writing: at most ``FEED_STEPS *
 max_num_batched_tokens`` tokens' values plus ``1 + run.WRITES_QUEUED`` shards, in memory files; for
 safetensors, the worker's chunks being gathered (about one per value and open shard, rows arriving in order) or
-waiting for the disk (`engines.shared_rows.QUEUED_CHUNKS` per shard at most), and the page cache of what goes
+waiting for the disk (`engines.steered.shared_rows.QUEUED_CHUNKS` per shard at most), and the page cache of what goes
 through it.
 """
 
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from ..capture import Capture
+from ..specs.capture import Capture
+from ..specs.selection import PROBE_DTYPE, PROBES, token_shape
 from .compute import Job, Unit, metadata, shard_record
 from .in_engine import EngineHarvester, probes_at
 from .layouts import Columns, Safetensors, layout_of
-from .selection import PROBE_DTYPE, PROBES, token_shape
 from .store import HarvestError, Placed, own_record, place_shard, stream_shard
 from .streamed import StreamedShard
 
@@ -84,9 +84,9 @@ def shards(
     Leaving early (an error, a closed generator) aborts what is still running and removes the files begun."""
     from vllm import SamplingParams
 
-    from ..engines.capture import unpack
-    from ..engines.shared_rows import SharedRows
-    from ..engines.steered import probe_scores
+    from ..engines.steered.client import probe_scores
+    from ..engines.steered.shared_rows import SharedRows
+    from ..engines.steered.tensor_wire import unpack
 
     llm = harvester.llm
     engine = llm.llm_engine
@@ -238,7 +238,7 @@ def shards(
 
 def lost_rows(shard: OpenShard, missing: int) -> HarvestError:
     """The error of a shard some of whose rows never reached it (the shard is not recorded, nor written)."""
-    from ..engines.capture import FINISHED_KEPT
+    from ..engines.steered.kept_rows import FINISHED_KEPT
 
     where = f"its file {shard.placed}" if shard.placed is not None else "its shared memory"
     return HarvestError(

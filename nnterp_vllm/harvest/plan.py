@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..specs.selection import check_selectors, parse
 from .compute import build_settings, engine_name, load_model, model_dtype
 from .corpus import ContextSettings, Corpus, CorpusStats, rows
 from .layouts import METADATA
 from .run import _check_format, _value_entries, value_bytes, whole_rows
-from .selection import check_selectors, parse
 
 #: Bytes of a token's metadata columns (``token_ids``, ``documents``, ``offsets``, ``rows``: int64 each).
 METADATA_BYTES = 8 * len(METADATA)
@@ -45,7 +45,7 @@ def plan(
         raise ValueError(f"--plan takes positions 'all' or 'last', got {positions!r}")
     if tokens_per_second is not None and not tokens_per_second > 0:
         raise ValueError(f"tokens_per_second must be a positive number, got {tokens_per_second!r}")
-    from ..steering.probes import probes_of
+    from ..specs.probes import probes_of
 
     selectors = check_selectors(values, context_length, probes_of(probes))
     engine = engine_name(engine)

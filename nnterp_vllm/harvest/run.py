@@ -25,6 +25,13 @@ from typing import Any
 
 import torch
 
+from ..specs.selection import (
+    PROBE_DTYPE,
+    Selection,
+    check_selectors,
+    parse,
+    token_shape,
+)
 from . import pipeline, ranks
 from .compute import (
     Job,
@@ -45,11 +52,10 @@ from .layouts import FORMATS, Columns
 from .location import Location
 from .reader import Harvest, load_harvest
 from .resume import Resume
-from .selection import PROBE_DTYPE, Selection, check_selectors, parse, token_shape
 from .store import OVERWRITE, HarvestError, Placed, Store, positive_int
 
 #: The loaded models a harvest takes, by module and class.
-LOADED_MODELS = (("nnterp_vllm.standardized", "Standardized"), ("nnterp_vllm.engines.steered", "SteeredVLLM"))
+LOADED_MODELS = (("nnterp_vllm.standardized", "Standardized"), ("nnterp_vllm.engines.steered.engine", "SteeredVLLM"))
 Positions = str | Callable[[list[int]], list[bool]]
 
 
@@ -343,7 +349,7 @@ def harvest(
         shared_filesystem: Declare a local ``out`` a file system every Ray node mounts at the same path: without
             it, a local ``out`` with replicas on nodes other than this one is refused before any work; with it,
             each landed shard is checked here.
-        probes: Linear probes by name (`steering.probes.Probe`, reading every position: the harvest's
+        probes: Linear probes by name (`specs.probes.Probe`, reading every position: the harvest's
             ``positions`` choose the tokens), each harvested as ``probes.NAME``: its scores per token, after its
             activation, in float32 (``[tokens]`` for a one-score probe, ``[tokens, classes]`` otherwise). On vLLM's
             in-engine path the engine reads them itself (built with a probe column per class; a `SteeredVLLM`
@@ -351,7 +357,7 @@ def harvest(
             ``layer_output``, as the engine computes them. Every probe given must be harvested; the manifest
             records each (its block, weight shape, activation and digest).
     """
-    from ..steering.probes import probes_of
+    from ..specs.probes import probes_of
 
     selectors = check_selectors(values, context_length, probes_of(probes))
     _check_arguments(

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .checksums import CHECKSUM, CHECKSUMS, CHUNKED, file_checksum, recorded_checksum
+from ..checksums import (
+    CHECKSUM,
+    CHECKSUMS,
+    CHUNKED,
+    file_checksum,
+    recorded_checksum,
+)
 from .files import durable, json_bytes, staging
 from .layouts import OWN_BYTES, Columns, SaeLens, Safetensors, layout_of, parts_checksum, read_own
 from .location import CHECKSUM_KEY, Location

@@ -1,18 +1,17 @@
 """A safetensors shard bound for an object store, filled in memory by the engine's worker and sent part by part.
 
-The shard's bytes live in an anonymous memory file laid out as its object will be (`layouts.Safetensors.place`
-writes its header and columns there; the engine's worker fills its values in place, `engines.shared_rows.Region`,
-marking each whole chunk in a table once it is in the file). On S3, after each engine step the pipeline hands that
-table to `StreamedShard.send_ready`: each part of `location.PART_BYTES` whose chunks are all final goes up at once as
-a part of a multipart upload under the shard's own key, `location.PARTS_AT_ONCE` at a time, its memory given back as
-it goes (a hole punched in the memory file), so a shard whose parts are finished as its requests are is never held
-whole. `StreamedShard.finish` sends the rest (the header's part, the last one, any part the worker did not fill
-whole), completes the upload, when the object appears whole at once, and then gives it its checksum (known only once
-every chunk is) by copying the object onto itself with new metadata, which stores do without moving its bytes. An
-object that ends up without that metadata (the run killed in between) fails a resume's HEAD and is computed again,
-as any other. On another store, or an S3 object too large to copy in one request, the shard is sent whole by
-`finish`, its checksum in the metadata it is created with. An error, or `StreamedShard.abort`, aborts the upload:
-nothing appears.
+The shard's bytes live in an anonymous memory file laid out as its object will be (`layouts.Safetensors.place` writes
+its header and columns there; the engine's worker fills its values in place, `engines.steered.shared_rows.Region`,
+marking each whole chunk in a table once it is in the file). On S3, after each engine step the pipeline hands that table
+to `StreamedShard.send_ready`: each part of `location.PART_BYTES` whose chunks are all final goes up at once as a part
+of a multipart upload under the shard's own key, `location.PARTS_AT_ONCE` at a time, its memory given back as it goes (a
+hole punched in the memory file), so a shard whose parts are finished as its requests are is never held whole.
+`StreamedShard.finish` sends the rest (the header's part, the last one, any part the worker did not fill whole),
+completes the upload, when the object appears whole at once, and then gives it its checksum (known only once every chunk
+is) by copying the object onto itself with new metadata, which stores do without moving its bytes. An object that ends
+up without that metadata (the run killed in between) fails a resume's HEAD and is computed again, as any other. On
+another store, or an S3 object too large to copy in one request, the shard is sent whole by `finish`, its checksum in
+the metadata it is created with. An error, or `StreamedShard.abort`, aborts the upload: nothing appears.
 """
 
 from __future__ import annotations
@@ -26,7 +25,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from .checksums import CHUNK, CHUNKED, chunk_digest, file_checksum
+from ..checksums import (
+    CHUNK,
+    CHUNKED,
+    chunk_digest,
+    file_checksum,
+)
 from .location import CHECKSUM_KEY, PART_BYTES, PARTS_AT_ONCE, Location
 
 #: The largest object S3 copies onto itself in one request.

@@ -33,10 +33,10 @@ def main(argv: Sequence[str]) -> int:
     from vllm.usage.usage_lib import UsageContext
 
     from .command_line import parse
-    from .fields import read_vector_sources
     from .registry import Registry, VectorRegistry
     from .server import engine_args, run_server, steering_reader
     from .steered_models import read_steered_model_sources
+    from .vector_registration import read_vector_sources
 
     cli_env_setup()
     args = parse(argv)

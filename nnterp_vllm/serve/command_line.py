@@ -32,9 +32,9 @@ def parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ..engines.memory import PROBE_COLUMNS
-    from ..steering.specs import DIRECTIONS_PER_BLOCK
-    from .fields import MAX_CAPTURE_BYTES
+    from ..engines.steered.memory import PROBE_COLUMNS
+    from ..specs.steering_requests import DIRECTIONS_PER_BLOCK
+    from .capture_field import MAX_CAPTURE_BYTES
     from .registry import CAPACITY
     from .traces import add_arguments as add_trace_arguments
 
@@ -196,7 +196,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def sae_source(source: str) -> Any:
     """``--sae``'s ``NAME=DIR``: the SAE in ``DIR``, loaded under ``NAME`` (`SAE.load`); ValueError naming the
     form where it is not one."""
-    from ..steering.saes import SAE
+    from ..specs.saes import SAE
 
     name, separator, directory = source.partition("=")
     if not separator or not name or not directory:

@@ -41,32 +41,26 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.usage.usage_lib import UsageContext
 
-from ..capture import Capture, kept_count
-from ..engines.capture import pack
 from ..engines.compile_cache import start_recompiling_once
-from ..engines.steered import AsyncSteeredVLLM
-from ..engines.steered_settings import steered_engine_args
-from ..steering.specs import Steering
+from ..engines.steered.engine import AsyncSteeredVLLM
+from ..engines.steered.steered_settings import steered_engine_args
+from ..engines.steered.tensor_wire import pack
+from ..specs.capture import Capture, kept_count
+from ..specs.steering import Steering
 from . import playground
+from .capture_field import read_capture
 from .errors import InvalidField, error_json, error_response, naming, refusal, registration_answer
-from .fields import (
-    SPECS_PER_LAYER,
-    check_positions,
-    named_vectors,
-    read_capture,
-    read_patch_sweep,
-    read_probes,
-    read_registration,
-    read_steering,
-    with_vectors,
-)
 from .guard import GuardEveryRoute, api_keys
 from .intake import MAX_BODY_BYTES, RequestField, RequestIntake, check, checked, limit_message, record, taken
+from .patch_sweep_body import read_patch_sweep
+from .probes_field import read_probes
 from .registry import Registry
 from .steered_models import MODELS_PATH, SteeredModelCards, SteeredModelNames
 from .steered_models import router as steered_models_router
+from .steering_field import SPECS_PER_LAYER, check_positions, named_vectors, read_steering, with_vectors
 from .traces import add_route, runs_no_edits
 from .traces import body_bound as trace_body_bound
+from .vector_registration import read_registration
 
 STEERING = "steering"
 #: The routes that serve ``steering``, each applying it as ``/v1/completions`` does (elsewhere it is refused).

@@ -30,9 +30,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from .errors import InvalidField, error_json, naming, refusal, registration_answer
-from .fields import checked_name, named_vectors, with_vectors
 from .intake import decode_json
 from .registry import Vector
+from .steering_field import named_vectors, with_vectors
+from .vector_registration import checked_name
 
 MODELS_PATH = "/v1/steering/models"
 #: Files a recipe may be read from, by suffix.
@@ -100,8 +101,8 @@ def steered_model(
     name: Any, steering: Any, read: Callable[[Any], list[dict[str, Any]]], base_names: Sequence[str]
 ) -> SteeredModel:
     """``name`` and its recipe's wire specs, read by ``read`` (the server's reader of a request's ``steering``:
-    `fields.read_steering` with the model's sizes and the server's bounds); raises `InvalidField` naming the field
-    (``name``, ``steering[i].<field>``)."""
+    `steering_field.read_steering` with the model's sizes and the server's bounds); raises `InvalidField` naming the
+    field (``name``, ``steering[i].<field>``)."""
     with naming("name"):
         checked_name(name)
     if name in base_names:

@@ -10,7 +10,7 @@ nnsight's client is the client, unchanged), handled here (`run_trace`: each invo
 `Edits`: a block left on the engine with ``model.edit(serve=url)`` runs only for its own key's traces). They run
 on the engine of the OpenAI routes, in its continuous batch: a trace's requests go to the steered engine as
 nnsight's own requests do (each invoke's code serialized onto its request), and a step that runs trace code runs
-eagerly with nnsight's interleaving while the others stay compiled (`engines.runners`). A weightless
+eagerly with nnsight's interleaving while the others stay compiled (`engines.steered.runners`). A weightless
 `StandardizedVLLM` of the same checkpoint rebuilds each trace (`TraceBuilder`). In front of them:
 
 - the API key is checked before the body is read (`guard.GuardEveryRoute`; nnsight's client sends it as
@@ -41,9 +41,9 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engines.remote import EDITS_KEY, TRACE_PATH
 from ..engines.saving import SAVED_BYTES_KEY, WRITTEN
 from ..errors import SavedTooMuch
+from ..remote import EDITS_KEY, TRACE_PATH
 from .errors import error_json
 
 #: The header nnsight's client sends its key in.

@@ -3,7 +3,7 @@
 `patch_sweep(model, clean, corrupt, layers, positions, metric)` runs the clean prompt once, keeping a value of each
 block at each position (its ``layer_output`` unless told), then the corrupted prompt once per (block, position)
 cell with that one value set to the clean run's (`Patch`), and reads a metric of the next token from each run's
-last-position logits (`steering.metrics`: `LogitDiff`, `Logprob`, `Recovered`). On `SteeredVLLM` every cell is a
+last-position logits (`specs.metrics`: `LogitDiff`, `Logprob`, `Recovered`). On `SteeredVLLM` every cell is a
 request of one continuous batch, patched inside the compiled graph, its metric read in the engine's worker (only
 the number comes back); a cell patched at position ``p`` shares the corrupted prompt's prefix-cache blocks before
 ``p``. On `StandardizedTransformer` the same call runs one trace per cell, for parity.
@@ -19,8 +19,15 @@ from typing import Any
 import torch
 
 from .. import arguments
-from .metrics import LogitDiff, Logprob, Recovered, base_metric, metric_value, metric_wire
-from .specs import PATCHED_VALUES, Patch
+from ..specs.metrics import (
+    LogitDiff,
+    Logprob,
+    Recovered,
+    base_metric,
+    metric_value,
+    metric_wire,
+)
+from ..specs.patch import PATCHED_VALUES, Patch
 
 WHAT = "patch_sweep"
 
@@ -190,7 +197,7 @@ class Planned:
         cell, each patched with its clean value; returns the clean and corrupt metrics and the cells'."""
         from vllm import SamplingParams
 
-        from ..capture import Capture
+        from ..specs.capture import Capture
 
         names = [f"layers.{layer}.{self.value}" for layer in self.layers]
         missing = [name for name in names if name not in model.capture_values]

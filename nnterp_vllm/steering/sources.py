@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .saes import WEIGHTS_FILE, read_config
-from .specs import Steering, check_scale
+from ..specs.saes import WEIGHTS_FILE, read_config
+from ..specs.steering import Steering, check_scale
 
 WHAT = "load_steering"
 
@@ -246,7 +246,7 @@ def contrast_steering(
 
     from ..harvest import harvest
     from ..harvest.compute import build_settings, load_model
-    from ..harvest.selection import check_selectors
+    from ..specs.selection import check_selectors
 
     if method not in ("mean", "pca"):
         raise ValueError(f"contrast_steering: method must be 'mean' or 'pca', got {method!r}")

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import arguments
+from ..specs.steering import EVERYWHERE, Ablate, Steering
+from ..specs.steering_requests import KINDS, SPECS, kind_fields
 from .sources import load_steering
-from .specs import EVERYWHERE, KINDS, SPECS, Ablate, Steering, kind_fields
 
 WHAT = "sweep"
 #: The columns every row has, before one per score.
@@ -260,7 +261,7 @@ def run_grid(model: str | Path, grid: dict[str, Any], progress: bool = True) -> 
     """Build `SteeredVLLM` for ``model`` (with the grid's ``engine`` arguments) and sweep the grid on it."""
     from vllm import SamplingParams
 
-    from ..engines.steered import SteeredVLLM
+    from ..engines.steered.engine import SteeredVLLM
 
     sampling = SamplingParams(**grid.get("sampling", {}))
     llm = SteeredVLLM(model, **grid.get("engine", {}))

@@ -3,11 +3,12 @@
 from vllm.model_executor.models import gpt2 as vllm_gpt2
 
 from ...components import vllm as on_vllm
+from ...components import vllm_attention
 from .._layouts import GPT2_RENAME, vllm_classes
 from ..gpt2 import intermediate_size
 
 
-class GPT2Attention(on_vllm.Attention):
+class GPT2Attention(vllm_attention.Attention):
     OUTPUT_PROJECTION = "c_proj"
 
 

@@ -5,11 +5,12 @@ by ``router``. The queries, keys and values are served with the scores or not at
 from vllm.model_executor.models import gpt_oss as vllm_gpt_oss
 
 from ...components import vllm as on_vllm
+from ...components import vllm_attention
 from .._layouts import LLAMA_RENAME, vllm_classes
 from ..gpt_oss import SinkAttention
 
 
-class SinkKernelAttention(on_vllm.Attention):
+class SinkKernelAttention(vllm_attention.Attention):
     attention_scores = SinkAttention.attention_scores
     attention_probabilities = SinkAttention.attention_probabilities
     attention_queries = SinkAttention.attention_queries

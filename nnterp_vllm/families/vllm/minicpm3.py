@@ -7,7 +7,7 @@ import torch
 from vllm.model_executor.models import minicpm as vllm_minicpm
 from vllm.model_executor.models import minicpm3 as vllm_minicpm3
 
-from ...components import unavailable
+from ...components import unavailable, vllm_attention
 from ...components import vllm as on_vllm
 from .._layouts import LLAMA_RENAME, vllm_classes
 
@@ -24,7 +24,7 @@ PADDED = (
 )
 
 
-class LatentAttention(on_vllm.Attention):
+class LatentAttention(vllm_attention.Attention):
     attention_values = unavailable(PADDED)
     attention_premix = unavailable(PADDED)
     attention_head_outputs = unavailable(PADDED)

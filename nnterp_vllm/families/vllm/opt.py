@@ -2,13 +2,13 @@
 
 from vllm.model_executor.models import opt as vllm_opt
 
-from ...components import unavailable
+from ...components import unavailable, vllm_attention
 from ...components import vllm as on_vllm
 from .._layouts import vllm_classes
 from ..opt import RENAME, intermediate_size
 
 
-class OPTAttention(on_vllm.Attention):
+class OPTAttention(vllm_attention.Attention):
     OUTPUT_PROJECTION = "out_proj"
     attention_queries = unavailable(
         "transformers' OPT scales the queries by head_dim**-0.5 before the score product and vLLM's kernel scales "

@@ -1,4 +1,4 @@
-"""Metrics read in the steered engine's worker from the logits of a prompt's last position (`steering.metrics`).
+"""Metrics read in the steered engine's worker from the logits of a prompt's last position (`specs.metrics`).
 
 The runner's model computes the logits of each scheduled request's last scheduled token (vLLM's ``compute_logits``,
 outside the compiled graph, one row per request of the input batch, in order); at the step in which a request
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..steering.metrics import EXTRA_ARGS_KEY, metric_value
+from ...specs.metrics import EXTRA_ARGS_KEY, metric_value
 
 
 class MetricReader:

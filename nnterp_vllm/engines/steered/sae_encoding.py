@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..steering.saes import SAE
+from ...specs.saes import SAE
 from .memory import Ledger
 
 

@@ -113,7 +113,7 @@ class EngineSizes:
     accelerator: bool
     #: Whether this rank keeps captured rows (and so holds every SAE for encoding them).
     keeps_rows: bool = True
-    #: Probe columns read at every block (`steering.probes`).
+    #: Probe columns read at every block (`specs.probes`).
     probe_columns: int = 0
 
     @property

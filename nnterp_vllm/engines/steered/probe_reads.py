@@ -1,4 +1,4 @@
-"""Probe scores handed back per token, on the steered engine's worker (`steering.probes`).
+"""Probe scores handed back per token, on the steered engine's worker (`specs.probes`).
 
 Every block's hook writes the scores of the probe columns read there into the step's ``probe scores`` buffer
 (`steering_table.SteeringTable.read_probes`). Before each step the runner lays out which tokens of each request
@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..capture import kept_runs
-from ..steering.probes import EXTRA_ARGS_KEY
-from .capture import pack
+from ...specs.capture import kept_runs
+from ...specs.probes import EXTRA_ARGS_KEY
 from .steering_pool import PLACED
+from .tensor_wire import pack
 
 
 class ProbeReader:

@@ -1,5 +1,4 @@
-"""What a client sends: a request's ``steering`` and ``capture`` fields and registered vectors, read with errors that
-name the field.
+"""A request's ``steering`` field, read with errors that name the field.
 
 Every check is one of `nnterp_vllm.arguments`' (the ones `Steering` and ``steer`` run), called per field
 so a refusal names the field it is about (``param``, as in OpenAI's error format: ``steering[1].vector``).
@@ -10,33 +9,20 @@ specs name. Nothing here needs vLLM: the model's sizes come in as numbers.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import arguments
-from ..capture import SAE_FEATURES, TOP_K, Capture
-from ..steering.metrics import LogitDiff, Logprob, Recovered
-from ..steering.probes import OPERATORS, Probe
-from ..steering.saes import SAE
-from ..steering.specs import (
-    EVERYWHERE,
-    KINDS,
-    PATCHED_VALUES,
-    SCALES,
-    Ablate,
-    Cap,
-    Clamp,
-    Patch,
-    Steering,
-    kind_fields,
-    unit_direction,
-)
+from ..specs.patch import PATCHED_VALUES, Patch
+from ..specs.probes import OPERATORS
+from ..specs.saes import SAE
+from ..specs.steering import EVERYWHERE, SCALES, Ablate, Cap, Clamp, Steering, unit_direction
+from ..specs.steering_requests import KINDS, kind_fields
 from .errors import InvalidField, naming
-from .intake import decode_json, hand_over
+from .intake import hand_over
+from .probes_field import read_probe
 from .registry import Vector
 
 #: The fields of one steering spec, in the order they are checked.
@@ -57,9 +43,6 @@ SPEC_FIELDS = (
 )
 #: The fields only one kind of spec takes (`specs.KINDS`).
 OWN_FIELDS = tuple(name for _, names in KINDS.values() for name in names)
-#: What a registered vector's name may be (it is also a URL path segment).
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-NAME_RULE = "1 to 128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
 #: Specs one request may carry per block of the model, unless the server is told otherwise.
 SPECS_PER_LAYER = 4
 
@@ -344,257 +327,6 @@ def check_positions(specs: Sequence[Steering | Cap], prompt_length: int, prompt:
         if not isinstance(spec.positions, str):
             with naming(f"steering[{i}].positions"):
                 arguments.positions_within(spec.positions, prompt_length, f"steering[{i}] ({prompt})")
-
-
-def checked_name(name: Any) -> str:
-    """``name`` checked as a registered vector's name; raises ``ValueError``."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"a vector's name is {NAME_RULE}, got {name!r}")
-    return name
-
-
-def read_registration(body: bytes, hidden_size: int) -> tuple[str, Vector]:
-    """A ``POST /v1/steering/vectors`` body ``{"name", "vector"}``: the name and the float32 vector; a vector made
-    per layer is an object from layer numbers to vectors (``{"10": [...], "11": [...]}``).
-
-    Raises `InvalidField`. Meant to run off the event loop: it parses and checks every number.
-    """
-    try:
-        parsed = decode_json(body)
-    except ValueError as error:
-        raise InvalidField(f"the body is not JSON: {error}", None) from None
-    if not isinstance(parsed, dict):
-        raise InvalidField(f"the body is an object {{'name', 'vector'}}, got {type(parsed).__name__}", None)
-    for key in parsed:
-        if key not in ("name", "vector"):
-            raise InvalidField(f"unknown field {key!r}; a vector is registered with 'name' and 'vector'", key)
-    with naming("name"):
-        name = checked_name(parsed.get("name"))
-    vector = parsed.get("vector")
-    if isinstance(vector, dict):
-        return name, per_layer(vector, hidden_size)
-    with naming("vector"):
-        return name, checked_vector(vector, hidden_size, "vector").to(torch.float32)
-
-
-def per_layer(vectors: dict[str, Any], hidden_size: int) -> dict[int, torch.Tensor]:
-    """A registration's per-layer vectors (``{"<layer>": [floats]}``), each checked; raises `InvalidField`."""
-    if not vectors:
-        raise InvalidField("vector: a vector made per layer maps at least one layer to a vector", "vector")
-    checked = {}
-    for layer, vector in vectors.items():
-        where = f"vector.{layer}"
-        if not (isinstance(layer, str) and re.fullmatch(r"-?\d+", layer)):
-            raise InvalidField(f"{where}: a vector made per layer is keyed by layer numbers, got {layer!r}", where)
-        with naming(where):
-            checked[int(layer)] = checked_vector(vector, hidden_size, where).to(torch.float32)
-    return checked
-
-
-def read_vector_sources(sources: Sequence[str], hidden_size: int, capacity: int) -> dict[str, Vector]:
-    """``--steering-vectors``' entries, read and checked; raises ``ValueError`` naming the bad one.
-
-    An entry is a safetensors file of named ``[hidden_size]`` vectors (each registered under its name), or
-    ``[NAME=]SOURCE[#FEATURE]``: a vector made elsewhere as `load_steering` reads it (a repeng ``.gguf``, a
-    steering-vectors dict saved with ``torch.save`` or as safetensors, a SAELens directory with the feature),
-    registered per layer under ``NAME`` (the file's name without its suffix by default).
-    """
-    from ..steering.sources import read_vectors
-
-    vectors: dict[str, Vector] = {}
-    for entry in sources:
-        name, _, source = entry.rpartition("=") if "=" in entry else ("", "", entry)
-        source, _, feature = source.partition("#")
-        try:
-            named = _named_vectors_file(source)
-            if named is None:
-                read = read_vectors(source, int(feature) if feature else None)
-                named = {checked_name(name or Path(source).stem): read}
-            elif name or feature:
-                raise ValueError(
-                    f"{source} holds named vectors, registered under their own names: drop NAME= / #FEATURE"
-                )
-            for key, vector in named.items():
-                for one in vector.values() if isinstance(vector, dict) else [vector]:
-                    arguments.hidden_vector(one, hidden_size, f"vector {key!r}", rows=False)
-                if key in vectors:
-                    raise ValueError(f"two entries register {key!r}")
-                vectors[key] = vector
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"--steering-vectors {entry}: {error}") from None
-    if len(vectors) > capacity:
-        raise ValueError(
-            f"--steering-vectors: {len(vectors)} vectors, more than the registry holds "
-            f"(--max-steering-vectors {capacity}); raise --max-steering-vectors or register fewer"
-        )
-    return vectors
-
-
-def _named_vectors_file(source: str) -> dict[str, torch.Tensor] | None:
-    """A safetensors file of named vectors (none named ``layer_activations.<layer>``, which is steering-vectors'
-    format), float32, each name checked; ``None`` for any other source."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not Path(source).is_file():
-        return None
-    try:
-        tensors = load_file(source)
-    except (OSError, SafetensorError):
-        return None
-    if any(re.fullmatch(r"layer_activations\.-?\d+", name) for name in tensors):
-        return None
-    for name in tensors:
-        checked_name(name)
-    return {name: tensor.to(torch.float32) for name, tensor in tensors.items()}
-
-
-def read_capture(
-    capture: Any, num_layers: int, kept: Sequence[str], saes: Sequence[dict[str, Any]] = ()
-) -> Capture | None:
-    """A request's ``capture`` field (``None``, or ``{"values", "positions", "dtype", "top_k", "features"}`` as
-    `Capture` takes them), checked against the values the engine keeps and the SAEs it holds (``saes``: each
-    ``{"name", "layer", "d_sae", ...}``); raises `InvalidField` naming the field."""
-    if capture is None:
-        return None
-    if not kept:
-        raise InvalidField(
-            "capture: this server keeps no values; start it with --capture-values naming those requests may capture",
-            "capture",
-        )
-    if not isinstance(capture, dict):
-        raise InvalidField(
-            f"capture is an object {{'values', 'positions', 'dtype'}}, got {type(capture).__name__}", "capture"
-        )
-    for key in capture:
-        if key not in CAPTURE_FIELDS:
-            raise InvalidField(
-                f"capture: unknown field {key!r}; a capture has {', '.join(CAPTURE_FIELDS)}", f"capture.{key}"
-            )
-    if "values" not in capture:
-        raise InvalidField("capture: the field 'values' is required", "capture.values")
-    with naming("capture.values"):
-        spec = Capture(capture["values"])
-        names = spec.names(num_layers)
-        for name in names:
-            if name.endswith(f".{SAE_FEATURES}"):
-                Capture(name).resolved(num_layers, kept, 1, torch.float32, saes)  # the SAE held, its rows kept
-    missing = [name for name in names if name not in kept and not name.endswith(f".{SAE_FEATURES}")]
-    if missing:
-        raise InvalidField(
-            f"capture: this server keeps no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; it keeps "
-            f"{', '.join(kept)} (--capture-values)",
-            "capture.values",
-        )
-    with naming("capture.positions"):
-        spec = Capture(spec.values, capture.get("positions", "all"))
-    with naming("capture.dtype"):
-        spec = Capture(spec.values, spec.positions, capture.get("dtype"))
-    with naming("capture.top_k"):
-        spec = Capture(spec.values, spec.positions, spec.dtype, capture.get("top_k", TOP_K))
-    with naming("capture.features"):
-        spec = Capture(spec.values, spec.positions, spec.dtype, spec.top_k, capture.get("features"))
-        for name in names:
-            if name.endswith(f".{SAE_FEATURES}") and spec.features is not None:
-                Capture(name, features=spec.features).resolved(num_layers, kept, 1, torch.float32, saes)
-    return spec
-
-
-#: The fields of a request's ``capture``.
-CAPTURE_FIELDS = ("values", "positions", "dtype", "top_k", "features")
-#: Bytes of kept rows one request may ask for unless the server is told otherwise (--max-capture-bytes).
-MAX_CAPTURE_BYTES = 8 * 2**20
-
-
-#: The fields of a ``POST /v1/patch_sweep`` body.
-PATCH_SWEEP_FIELDS = ("clean", "corrupt", "layers", "positions", "metric", "value")
-
-
-def read_patch_sweep(body: bytes) -> dict[str, Any]:
-    """A ``POST /v1/patch_sweep`` body: ``clean`` and ``corrupt`` prompts (text or token ids), optional ``layers``,
-    ``positions`` and ``value``, and a ``metric`` (``{"kind": "logit_diff", "correct", "wrong"}``, ``{"kind":
-    "logprob", "token"}`` or ``{"kind": "recovered", "of": <one of those>}``), as `patch_sweep`'s arguments; what
-    needs the model is checked there. Raises `InvalidField` naming the field."""
-    try:
-        parsed = decode_json(body)
-    except ValueError as error:
-        raise InvalidField(f"the body is not JSON: {error}", None) from None
-    if not isinstance(parsed, dict):
-        raise InvalidField(
-            f"the body is an object {{{', '.join(PATCH_SWEEP_FIELDS)}}}, got {type(parsed).__name__}", None
-        )
-    for name in parsed:
-        if name not in PATCH_SWEEP_FIELDS:
-            raise InvalidField(f"unknown field {name!r}; a patch sweep takes {', '.join(PATCH_SWEEP_FIELDS)}", name)
-    for name in ("clean", "corrupt", "metric"):
-        if name not in parsed:
-            raise InvalidField(f"the field {name!r} is required", name)
-    return {**parsed, "metric": read_metric(parsed["metric"], "metric")}
-
-
-def read_metric(metric: Any, where: str) -> LogitDiff | Logprob | Recovered:
-    """A metric object of a request body as `steering.metrics`' spec; `InvalidField` naming the field."""
-    kinds = {"logit_diff": ("correct", "wrong"), "logprob": ("token",), "recovered": ("of",)}
-    kind = metric.get("kind") if isinstance(metric, dict) else None
-    if kind not in kinds:
-        raise InvalidField(
-            f"{where}: a metric is an object whose kind is one of {', '.join(kinds)} (logit_diff: correct, wrong; "
-            f"logprob: token; recovered: of, another metric), got {metric!r}",
-            f"{where}.kind",
-        )
-    for name in metric:
-        if name not in (*kinds[kind], "kind"):
-            raise InvalidField(
-                f"{where}: a {kind} metric takes {', '.join(kinds[kind])}, not {name!r}", f"{where}.{name}"
-            )
-    for name in kinds[kind]:
-        if name not in metric:
-            raise InvalidField(f"{where}: a {kind} metric needs {name!r}", f"{where}.{name}")
-    if kind == "recovered":
-        measured = read_metric(metric["of"], f"{where}.of")
-        if isinstance(measured, Recovered):
-            raise InvalidField(f"{where}.of: recovered measures a logit_diff or logprob metric", f"{where}.of")
-        return Recovered(measured)
-    return LogitDiff(metric["correct"], metric["wrong"]) if kind == "logit_diff" else Logprob(metric["token"])
-
-
-#: The fields of one probe of a request's ``probes`` field.
-PROBE_FIELDS = ("weight", "bias", "layer", "positions", "activation")
-
-
-def read_probe(probe: Any, where: str, hidden_size: int) -> Probe:
-    """One probe of a request body (``{"weight", "bias", "layer", "positions", "activation"}``, its weight a list of
-    floats or one list per class... as ``[hidden]`` or ``[hidden][classes]``) as a `Probe`; `InvalidField`."""
-    if not isinstance(probe, dict):
-        raise InvalidField(f"{where}: a probe is an object {{{', '.join(PROBE_FIELDS)}}}", where)
-    for name in probe:
-        if name not in PROBE_FIELDS:
-            raise InvalidField(
-                f"{where}: unknown field {name!r}; a probe has {', '.join(PROBE_FIELDS)}", f"{where}.{name}"
-            )
-    for name in ("weight", "layer"):
-        if name not in probe:
-            raise InvalidField(f"{where}: the field {name!r} is required", f"{where}.{name}")
-    with naming(f"{where}.weight"):
-        made = Probe(
-            probe["weight"],
-            probe.get("bias", 0.0),
-            probe["layer"],
-            probe.get("positions", "all"),
-            probe.get("activation"),
-        )
-        if made.weight.shape[0] != hidden_size:
-            raise ValueError(f"{where}: weight is {made.weight.shape[0]} wide; this model's stream is {hidden_size}")
-    return made
-
-
-def read_probes(probes: Any, hidden_size: int) -> dict[str, Probe] | None:
-    """A request's ``probes`` field (``None``, or an object from names to probes, `read_probe`); `InvalidField`."""
-    if probes is None:
-        return None
-    if not isinstance(probes, dict) or not probes:
-        raise InvalidField("probes is a non-empty object from names to probes {'weight', 'layer', ...}", "probes")
-    return {name: read_probe(probe, f"probes.{name}", hidden_size) for name, probe in probes.items()}
 
 
 def read_when(when: Any, where: str, hidden_size: int) -> dict[str, Any]:

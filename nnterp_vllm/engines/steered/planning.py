@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from .memory import Buffer, EngineSizes, HeldSAE, default_steering_entries, engine_buffers, total
+from .memory import (
+    Buffer,
+    EngineSizes,
+    HeldSAE,
+    default_steering_entries,
+    engine_buffers,
+    total,
+)
 
 #: vLLM's share of the device unless told (``gpu_memory_utilization``).
 GPU_MEMORY_UTILIZATION = 0.92
@@ -195,9 +202,9 @@ def plan(
     """The plan of a steered engine of ``model`` (a hub id, a checkpoint directory or a ``config.json``) on
     ``device`` (`DEVICES`) split over ``tensor_parallel_size`` ranks; every other argument as the engine takes it
     (vLLM's defaults for the device where ``None``). Reads the config only. ``ValueError`` naming what is wrong."""
-    from .. import capture as capture_specs
-    from ..steering.specs import DIRECTIONS_PER_BLOCK
-    from .vllm_platform import kv_bytes_per_token
+    from ...specs import capture as capture_specs
+    from ...specs.steering_requests import DIRECTIONS_PER_BLOCK
+    from ..engine_defaults import kv_bytes_per_token
 
     if device not in DEVICES:
         raise ValueError(f"plan: device must be one of {', '.join(DEVICES)}, got {device!r}")
@@ -279,7 +286,7 @@ def read_config(model: str) -> Any:
 
 def model_dtype(config: Any, dtype: str | None) -> torch.dtype:
     """The dtype the engine runs the model in: ``dtype`` where given, else the checkpoint's own."""
-    from ..dtypes import checkpoint_dtype
+    from ...dtypes import checkpoint_dtype
 
     if dtype is not None:
         named = getattr(torch, dtype.removeprefix("torch."), None)
@@ -293,7 +300,7 @@ def sae_sizes(path: str) -> HeldSAE:
     """What the memory model needs of a SAELens SAE directory, read from its config and its weights' header only."""
     from safetensors import safe_open
 
-    from ..steering.saes import WEIGHTS_FILE, read_config
+    from ...specs.saes import WEIGHTS_FILE, read_config
 
     directory = Path(path)
     config, _, _ = read_config(directory, "plan: sae")

@@ -12,19 +12,24 @@ from typing import Any
 import torch
 from vllm.engine.arg_utils import EngineArgs
 
-from .. import capture as capture_specs
-from .. import families
-from ..components import values as values_module
-from ..components import vllm as on_vllm
-from ..standardized import Standardized
-from ..steering import specs
-from ..steering.saes import SAE, sae_list
-from ..steering.specs import DIRECTIONS_PER_BLOCK
-from . import capture as in_engine_capture
-from . import containment, memory
-from .capture import CAPTURE_SETTING
+from ... import families
+from ...checkpoints import read_config
+from ...components import values as values_module
+from ...components import vllm as on_vllm
+from ...components.names import SAE_FEATURES
+from ...specs import capture as capture_specs
+from ...specs import steering as specs
+from ...specs.saes import SAE, sae_list
+from ...specs.steering_requests import DIRECTIONS_PER_BLOCK
+from .. import containment
+from ..engine_defaults import engine_kwargs
+from ..first_blocks import blocks_to_run
+from ..vllm_environment import choose_model_runner, no_saved_graphs
+from ..worker_classes import worker_class
+from . import kept_rows as in_engine_capture
+from . import memory
+from .kept_rows import CAPTURE_SETTING
 from .memory import PROBE_COLUMNS, EngineSizes, default_steering_entries
-from .vllm_platform import blocks_to_run, choose_model_runner, engine_kwargs, no_saved_graphs, worker_class
 
 #: ``additional_config`` key of the engine's steering settings (it also keys vLLM's compile cache).
 CONFIG_KEY = "nnterp_vllm_steering"
@@ -32,7 +37,7 @@ CONFIG_KEY = "nnterp_vllm_steering"
 SAES_SETTING = "saes"
 #: ``additional_config``'s key of the steering pool's size, in entries (`steering_pool`).
 STEERING_ENTRIES = "max_steering_entries"
-#: ``additional_config``'s key of the probe columns read at every block (`steering.probes`).
+#: ``additional_config``'s key of the probe columns read at every block (`specs.probes`).
 PROBE_COLUMNS_SETTING = "max_probe_columns"
 #: The setting naming the values the steering operation acts at (`specs.STEERING_VALUES` by default).
 STEERING_VALUES_SETTING = "steering_values"
@@ -48,7 +53,7 @@ _REFUSED = {
     "micro-batching (ubatch_size > 1) is not supported",
 }
 #: Dotted path of the steered engine's scheduler.
-SCHEDULER = "nnterp_vllm.engines.scheduling.PromptCachingScheduler"
+SCHEDULER = "nnterp_vllm.engines.steered.scheduling.PromptCachingScheduler"
 
 
 def steering_settings(
@@ -60,8 +65,10 @@ def steering_settings(
     steering_entries: int | None = None,
     probe_columns: int = PROBE_COLUMNS,
     steering_values: Sequence[str] | None = None,
+    config: Any = None,
 ) -> dict:
-    """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones.
+    """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones. ``config``:
+    ``model``'s, where the caller has read it already (`checkpoint_config`; read here otherwise).
 
     The steering worker and scheduler, its settings in ``additional_config`` (the steering pool's entries,
     ``steering_entries``, by default as many as the memory model gives (`memory.default_steering_entries`), and
@@ -92,13 +99,13 @@ def steering_settings(
     steering_values = checked_steering_values(steering_values)
     choose_model_runner("the steered engine")
     no_saved_graphs("the steered engine")
-    config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
-    families.lookup(Standardized._model_type(config), engine=families.VLLM)
+    config = checkpoint_config(model, given) if config is None else config
+    families.lookup(families.model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional, saes)
     plain = {name: value for name, value in given.items() if name not in ("worker_cls", "scheduler_cls")}
     # The checkpoint sizes the CPU build's KV cache for its context, as for every engine of ours.
-    placed = engine_kwargs(str(model), **{**plain, "additional_config": additional})
+    placed = engine_kwargs(str(model), config, **{**plain, "additional_config": additional})
     if steering_entries is None:
         hidden = config.get_text_config().hidden_size
         steering_entries = default_steering_entries(hidden, getattr(torch, placed["dtype"]), directions_per_block)
@@ -153,11 +160,11 @@ def kept_values(
     (``additional_config``)."""
     if capture_values is None:
         return []
-    selectors = capture_specs.static_selectors(capture_values, "capture_values", (capture_specs.SAE_FEATURES,))
+    selectors = capture_specs.static_selectors(capture_values, "capture_values", (SAE_FEATURES,))
     held_at = {sae.layer for sae in saes}
     names = []
     for name in capture_specs.value_names(selectors, num_layers):
-        if name.endswith(f".{capture_specs.SAE_FEATURES}"):
+        if name.endswith(f".{SAE_FEATURES}"):
             layer = int(name.split(".")[1])
             if layer not in held_at:
                 holding = sorted(held_at) or "none"
@@ -183,9 +190,15 @@ def kept_values(
     return names
 
 
-def held(model: Any, given: dict[str, Any], saes: Any) -> list[SAE]:
-    """``saes=[...]`` for a steered engine of ``model``, loaded and checked against its config (`sae_list`)."""
-    config = Standardized._read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
+def checkpoint_config(model: Any, given: dict[str, Any]) -> Any:
+    """The config of ``model``, read once where a steered engine is built (with ``given``'s revision and
+    ``trust_remote_code``) and handed to `held` and `steering_settings`."""
+    return read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
+
+
+def held(config: Any, saes: Any) -> list[SAE]:
+    """``saes=[...]`` for a steered engine of the model whose config is ``config``, loaded and checked against it
+    (`sae_list`)."""
     text = config.get_text_config()
     return sae_list(saes, text.num_hidden_layers, text.hidden_size)
 
@@ -231,16 +244,17 @@ def steered_engine_args(
         "additional_config",
     )
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
-    loaded = held(engine_args.model, given, saes)
+    config = checkpoint_config(engine_args.model, given)
     settings = steering_settings(
         engine_args.model,
         given,
         capture_values,
-        loaded,
+        held(config, saes),
         directions_per_block,
         steering_entries,
         probe_columns,
         steering_values,
+        config,
     )
     return dataclasses.replace(engine_args, **settings)
 
@@ -249,7 +263,10 @@ def _code_digest() -> str:
     """A digest of the code the compiled graph traces through here (a change recompiles)."""
     here = Path(__file__).parent
     sources = [
-        *(here.joinpath(name).read_text() for name in ("steering_table.py", "runners.py", "memory.py")),
+        *(
+            here.joinpath(name).read_text()
+            for name in ("steering_table.py", "steerer.py", "placement.py", "runners.py", "memory.py")
+        ),
         inspect.getsource(in_engine_capture),
         inspect.getsource(containment),
         inspect.getsource(on_vllm),

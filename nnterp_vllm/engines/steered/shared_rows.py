@@ -4,7 +4,7 @@ A capture may name a destination (`SharedRows.destination`, under ``INTO`` in it
 memory the client made, ``[values, rows, hidden]`` in the capture's dtype, and the first row of it that is the
 request's. The worker opens the region (`open_region`) and writes the request's rows into it, so they are
 copied once, from the engine's buffer, and never cross the engine's RPC; a step's rows for requests that lie
-next to each other in the region go in one copy per step (`capture.hand_on`). The region is an anonymous
+next to each other in the region go in one copy per step (`kept_delivery.hand_on`). The region is an anonymous
 memory file (``memfd_create``) that the worker opens by its ``/proc`` path, so it is freed once the client
 and the worker have both let go of it, however either ends: nothing is left behind in ``/dev/shm``; or a span
 of a file the client made (a harvest's shard, its values filled where the file holds them), which the worker
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..harvest.checksums import CHUNK, chunk_digest
+from ...checksums import CHUNK, chunk_digest
 
 #: The key of a capture's engine form that names its destination.
 INTO = "into"

@@ -23,23 +23,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import containment
-from .capture import CAPTURE_SETTING, Capturer, keeps_rows
+from .. import containment
+from ..first_blocks import run_first_blocks
+from ..saving import SAVED_BYTES_KEY, SavedBytes, mark_in_worker
+from ..vllm_platform import is_cpu_platform
+from ..worker_classes import WORKER_CLASSES, built_on_access, publish, refuse_other_runner
+from .kept_rows import CAPTURE_SETTING, Capturer, keeps_rows
 from .logit_metrics import MetricReader
 from .memory import Ledger, check_room, engine_buffers
 from .probe_reads import ProbeReader
 from .sae_encoding import place_saes
-from .saving import SAVED_BYTES_KEY, SavedBytes, mark_in_worker
-from .steered_settings import CONFIG_KEY, STEERING_VALUES_SETTING, held_saes, sizes_of
-from .steering_table import Steerer
-from .vllm_platform import (
-    WORKER_CLASSES,
-    built_on_access,
-    is_cpu_platform,
-    publish,
-    refuse_other_runner,
-    run_first_blocks,
+from .steered_settings import (
+    CONFIG_KEY,
+    STEERING_VALUES_SETTING,
+    held_saes,
+    sizes_of,
 )
+from .steerer import Steerer
 
 #: The RPC methods nnsight's GPU worker adds (``collective_rpc`` targets of nnsight's client side).
 NNSIGHT_RPC_METHODS = ("collect_nnsight", "nnsight_request_count", "nnsight_register", "nnsight_clear_registered")

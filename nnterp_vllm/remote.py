@@ -21,7 +21,7 @@ from typing import Any
 
 from nnsight.intervention.backends.local import LocalSimulationBackend
 
-from ..errors import UnsafeAnswer
+from .errors import UnsafeAnswer
 
 #: The route of a trace server (nnsight-serve's, and ``nnterp-vllm serve --traces``') that a trace is posted to.
 TRACE_PATH = "/v1/nnsight/generate"

@@ -1,6 +1,6 @@
 """The steering pool: what a steered request takes of the engine's steering buffers, and who hands it out.
 
-A request's specs (engine form, `steering.specs.request_steering`) act on sets of its tokens (`TokenSets`: its
+A request's specs (engine form, `specs.steering_requests.request_steering`) act on sets of its tokens (`TokenSets`: its
 prompt, its generated tokens, listed prompt positions). Each distinct set is a **row**: what those tokens get at
 every location (`location`: each block's ``layer_output``, what its attention and its MLP add, the stream entering
 the first block). At one location a row applies the specs that act there, and that content (a patch's vector, the
@@ -25,7 +25,8 @@ import collections
 import dataclasses
 from typing import Any
 
-from ..steering.specs import EVERYWHERE, token_sets
+from ...specs.steering import EVERYWHERE
+from ...specs.steering_requests import token_sets
 
 #: The key of a request's steering (engine form) under which the scheduler writes where its content lies.
 PLACED = "placed"

@@ -22,30 +22,13 @@ from typing import Any
 
 import torch
 
-from . import arguments
-from .harvest.selection import Selection, Selector
+from .. import arguments
+from ..components.names import SAE_FEATURES, STATIC_VALUES
+from .selection import Selection, Selector
 
 WHAT = "Capture"
 #: The key of ``SamplingParams.extra_args`` under which a request's capture travels to the engine.
 EXTRA_ARGS_KEY = "nnterp_vllm_capture"
-#: Block values the engine keeps, by their harvest key: each a ``[tokens, hidden]`` stream at a module.
-STATIC_BLOCK_VALUES = (
-    "layer_input",
-    "self_attn.attention_input",
-    "self_attn.attention_output",
-    "attention_output",
-    "mixer.mixer_output",
-    "mixer_output",
-    "mlp.mlp_input",
-    "mlp.mlp_output",
-    "mlp_output",
-    "layer_output",
-)
-#: Root values the engine keeps.
-STATIC_ROOT_VALUES = ("token_embeddings", "final_norm_output")
-STATIC_VALUES = STATIC_ROOT_VALUES + STATIC_BLOCK_VALUES
-#: The features of an SAE the engine holds (``saes=[...]``), encoded from the block's kept ``layer_output`` rows.
-SAE_FEATURES = "sae_features"
 #: Features per token a capture of ``sae_features`` keeps unless told.
 TOP_K = 32
 #: Which of a request's positions are kept, besides a list of prompt positions.
@@ -283,4 +266,4 @@ def kept_runs(wire: dict[str, Any], position: int, count: int) -> list[tuple[int
     return [(first - position, row, last - first)] if last > first else []
 
 
-__all__ = ["EXTRA_ARGS_KEY", "STATIC_VALUES", "Capture", "per_prompt"]
+__all__ = ["EXTRA_ARGS_KEY", "Capture", "per_prompt"]

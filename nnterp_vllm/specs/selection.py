@@ -15,67 +15,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ..steering.probes import Probe
-
-#: Root values that are per token (the others are per prompt or are the inputs themselves).
-ROOT_BEFORE_LAYERS = ("token_embeddings",)
-ROOT_AFTER_LAYERS = ("final_norm_output", "lm_head_output", "logits")
-#: Block values in the order a forward reaches them.
-BLOCK_ORDER = (
-    "layer_input",
-    "self_attn.attention_input",
-    "self_attn.attention_queries",
-    "self_attn.attention_keys",
-    "self_attn.attention_values",
-    "self_attn.attention_scores",
-    "self_attn.attention_probabilities",
-    "self_attn.attention_premix",
-    "self_attn.attention_head_outputs",
-    "self_attn.attention_output",
-    "attention_output",
-    "mixer.mixer_output",
-    "mixer_output",
-    "mlp.mlp_input",
-    "mlp.router_logits",
-    "mlp.expert_indices",
-    "mlp.expert_weights",
-    "mlp.mlp_output",
-    "mlp_output",
-    "layer_output",
-    "sae_features",
+from ..components.names import (
+    BLOCK_ORDER,
+    HEADS_FIRST,
+    MODULE_OUTPUTS,
+    PATTERNS,
+    ROOT_AFTER_LAYERS,
+    ROOT_BEFORE_LAYERS,
+    ROOT_VALUES,
+    SHORT_NAMES,
 )
-#: Block values a selector may name without their module: ``layers.3.attention_input``.
-SHORT_NAMES = {"attention_input": "self_attn.attention_input", "mlp_input": "mlp.mlp_input"}
-#: Values laid out ``[batch, heads, seq, ...]`` rather than ``[batch, seq, ...]``.
-HEADS_FIRST = {"attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities"}
-#: Values with a key axis as long as the row: padded to the context length on disk.
-PATTERNS = {"attention_scores", "attention_probabilities"}
-#: Values inside the attention computation: only eager attention exposes them all.
-ATTENTION_INTERIOR = {
-    "attention_queries",
-    "attention_keys",
-    "attention_values",
-    "attention_scores",
-    "attention_probabilities",
-    "attention_premix",
-    "attention_head_outputs",
-}
+
+if TYPE_CHECKING:
+    from .probes import Probe
+
 #: The prefix of a probe's value: ``probes.NAME`` is the scores of the probe named ``NAME``.
 PROBES = "probes."
 #: The dtype probe scores are stored in, whatever the harvest's.
 PROBE_DTYPE = "float32"
-#: Values that are, by meaning, one module's output (SAELens hooks a transformers model by module).
-MODULE_OUTPUTS = {
-    "layer_output",
-    "attention_output",
-    "self_attn.attention_output",
-    "mlp_output",
-    "mlp.mlp_output",
-    "token_embeddings",
-    "final_norm_output",
-    "lm_head_output",
-}
 
 
 @dataclass(frozen=True)
@@ -157,7 +114,6 @@ class Selection:
         return value
 
 
-ROOT_VALUES = (*ROOT_BEFORE_LAYERS, *ROOT_AFTER_LAYERS)
 LAYER_PART = "an index, '*', a range 'a-b' with a <= b, or a list of those such as '1,4-6'"
 
 

@@ -8,9 +8,9 @@ import os
 import time
 from typing import Any
 
-from ..steering.probes import EXTRA_ARGS_KEY as PROBES_KEY
-from ..steering.specs import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
-from .remote import EDITS_KEY, TRACE_KEY
+from ...remote import EDITS_KEY, TRACE_KEY
+from ...specs.probes import EXTRA_ARGS_KEY as PROBES_KEY
+from ...specs.steering_requests import EXTRA_ARGS_KEY, SALTED_FROM, decode_only
 from .steered_settings import sizes_of
 from .steering_pool import SteeringPool
 
@@ -114,7 +114,7 @@ class PromptCachingScheduler:
     from the block holding ``p`` on (`salt_from`), where vLLM's own cache salt would key them all: the blocks
     before ``p`` are computed as an unsteered request's and shared with it.
 
-    A request steered at generated tokens only is not salted (`steering.specs.request_steering`): its prompt is
+    A request steered at generated tokens only is not salted (`specs.steering_requests.request_steering`): its prompt is
     computed as an unsteered one's and shared. The KV of its generated tokens is steered, though, and vLLM caches
     every full block, generated tokens included, under the tokens' own hashes; a later prompt repeating those
     tokens (a chat's next turn) would read them. So its cached blocks stop at its prompt.
