@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ... import checkpoints
 from .memory import (
     Buffer,
     EngineSizes,
@@ -270,18 +271,17 @@ def plan(
 
 
 def read_config(model: str) -> Any:
-    """The config of ``model``: a ``config.json`` file, a checkpoint directory or a hub id."""
-    from transformers import AutoConfig, PretrainedConfig
-
+    """The config of ``model``: a ``config.json`` file, or a checkpoint directory or hub id
+    (`checkpoints.read_config`)."""
     path = Path(model)
     if path.is_file():
+        from transformers import AutoConfig
+
         data = json.loads(path.read_text())
         if "model_type" not in data:
             raise ValueError(f"plan: {path} names no model_type; give a model's config.json")
         return AutoConfig.for_model(data.pop("model_type"), **data)
-    config = AutoConfig.from_pretrained(model)
-    assert isinstance(config, PretrainedConfig)
-    return config
+    return checkpoints.read_config(model)
 
 
 def model_dtype(config: Any, dtype: str | None) -> torch.dtype:
