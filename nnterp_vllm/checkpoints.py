@@ -109,5 +109,11 @@ def read_config(checkpoint: Any, revision: str | None = None, trust_remote_code:
         ) from error
 
 
+def read_config_with(checkpoint: Any, kwargs: dict[str, Any]) -> Any:
+    """`read_config` of ``checkpoint`` with the ``revision`` and ``trust_remote_code`` a model's build arguments
+    ``kwargs`` give."""
+    return read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code") or False)
+
+
 if __name__ == "__main__":
     print(smollm2())

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import read_config
+from ..checkpoints import read_config_with
 from ..dtypes import VLLM as VLLM_ENGINE
 from ..dtypes import given, load_dtype, requested
 from ..dtypes import name as dtype_name
@@ -46,7 +46,7 @@ def engine_kwargs(checkpoint: str | None = None, config: Any = None, /, **user_k
     kwargs = dict(user_kwargs)
     if checkpoint is not None:
         if config is None:
-            config = read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+            config = read_config_with(checkpoint, kwargs)
         kwargs["dtype"] = load_dtype(checkpoint, config, kwargs, VLLM_ENGINE)
     else:
         spelling, value = given(kwargs)

@@ -10,7 +10,7 @@ import torch
 from nnsight import TransformersModel
 
 from .. import arguments, dtypes, families, nnterp_options
-from ..checkpoints import read_config
+from ..checkpoints import read_config_with
 from ..families import default
 from ..remote import checkpoint_key
 from ..standardized import SAEs, Standardized, max_positions
@@ -65,7 +65,7 @@ class StandardizedTransformer(Standardized, TransformersModel):
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
         as_distributed_config(kwargs)
         degree = transformers_degree(kwargs)
-        config = read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        config = read_config_with(checkpoint, kwargs)
         if degree > 1:
             check_heads_split(config, degree, replicated_kv=False)
         base = tp_envoys() if wants_tensor_parallel(checkpoint, kwargs) else {}

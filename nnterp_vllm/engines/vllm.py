@@ -23,7 +23,7 @@ from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 from nnsight.modeling.vllm.tracer import VLLMTracer as NNsightVLLMTracer
 
 from .. import arguments, families, nnterp_options
-from ..checkpoints import read_config
+from ..checkpoints import read_config_with
 from ..components import WHOLE, Derived, Value, first_tensor
 from ..components.values import conform
 from ..components.vllm import (
@@ -294,7 +294,7 @@ class StandardizedVLLM(Standardized, PlatformVLLM):
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
         nnterp = nnterp_options.take(kwargs, self.ENGINE)
-        config = read_config(checkpoint, kwargs.get("revision"), kwargs.get("trust_remote_code", False))
+        config = read_config_with(checkpoint, kwargs)
         maps = self._maps(config, family, nnterp.merged(rename), envoys, parallel_envoys(), saes)
         self._tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         check_heads_split(config, self._tensor_parallel_size, replicated_kv=True)

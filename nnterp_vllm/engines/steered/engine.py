@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from ...checkpoints import read_config_with
 from ...remote import TRACE_KEY
 from ...specs import capture as capture_specs
 from ...specs import probes as probe_specs
@@ -36,7 +37,7 @@ from ..lifecycle import remove_socket_directory, socket_directory
 from .client import SteeringClient, attach_activations, attach_probes, merged, with_extra
 from .memory import PROBE_COLUMNS
 from .shared_rows import INTO
-from .steered_settings import checkpoint_config, held, steered_engine_args, steering_settings
+from .steered_settings import held, steered_engine_args, steering_settings
 
 
 def isolated(prompt: Any) -> Any:
@@ -99,7 +100,7 @@ class SteeredVLLM(SteeringClient, LLM):
         saes: Any = None,
         **kwargs: Any,
     ) -> None:
-        config = checkpoint_config(model, kwargs)
+        config = read_config_with(model, kwargs)
         loaded = held(config, saes)
         settings = steering_settings(
             model,

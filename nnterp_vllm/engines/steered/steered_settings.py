@@ -13,7 +13,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 
 from ... import families
-from ...checkpoints import read_config
+from ...checkpoints import read_config_with
 from ...components import values as values_module
 from ...components import vllm as on_vllm
 from ...components.names import SAE_FEATURES
@@ -68,7 +68,7 @@ def steering_settings(
     config: Any = None,
 ) -> dict:
     """The vLLM engine arguments a steered engine of ``model`` adds to the caller's ``given`` ones. ``config``:
-    ``model``'s, where the caller has read it already (`checkpoint_config`; read here otherwise).
+    ``model``'s, where the caller has read it already (`checkpoints.read_config_with`; read here otherwise).
 
     The steering worker and scheduler, its settings in ``additional_config`` (the steering pool's entries,
     ``steering_entries``, by default as many as the memory model gives (`memory.default_steering_entries`), and
@@ -99,7 +99,7 @@ def steering_settings(
     steering_values = checked_steering_values(steering_values)
     choose_model_runner("the steered engine")
     no_saved_graphs("the steered engine")
-    config = checkpoint_config(model, given) if config is None else config
+    config = read_config_with(model, given) if config is None else config
     families.lookup(families.model_type(config), engine=families.VLLM)
     additional = dict(given.get("additional_config") or {})
     kept = kept_values(capture_values, config.get_text_config().num_hidden_layers, additional, saes)
@@ -190,12 +190,6 @@ def kept_values(
     return names
 
 
-def checkpoint_config(model: Any, given: dict[str, Any]) -> Any:
-    """The config of ``model``, read once where a steered engine is built (with ``given``'s revision and
-    ``trust_remote_code``) and handed to `held` and `steering_settings`."""
-    return read_config(model, given.get("revision"), given.get("trust_remote_code") or False)
-
-
 def held(config: Any, saes: Any) -> list[SAE]:
     """``saes=[...]`` for a steered engine of the model whose config is ``config``, loaded and checked against it
     (`sae_list`)."""
@@ -244,7 +238,7 @@ def steered_engine_args(
         "additional_config",
     )
     given = {name: getattr(engine_args, name) for name in names if getattr(engine_args, name, None) is not None}
-    config = checkpoint_config(engine_args.model, given)
+    config = read_config_with(engine_args.model, given)
     settings = steering_settings(
         engine_args.model,
         given,
