@@ -31,6 +31,15 @@ def clean_up_engine_files():
         os.remove(leftover)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_model_infos_cached():
+    """vLLM's model-info cache holds every architecture the tests load before the first engine starts
+    (`vllm_model_infos`): one interpreter inspects them all, not one per architecture."""
+    import vllm_model_infos
+
+    vllm_model_infos.ensure_filled()
+
+
 #: The garbage collector's freeze, which `frozen_heap` keeps to itself for the session.
 FREEZE, UNFREEZE = gc.freeze, gc.unfreeze
 

@@ -86,6 +86,9 @@ def served(tmp_path_factory):
     arguments += ["--steered-model", f"formal={FORMAL}", f"blend={recipe}"]
     arguments += ["--chat-template", str(directory / "chat.jinja"), "--api-key", KEY]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE.items()]
+    # Built eagerly: the harnesses' subject is the steered names, each held equal to its recipe sent by hand to the
+    # same server; the compiled engine's steering is held equal to transformers by tests/test_serve.py.
+    arguments += ["--enforce-eager"]
     server = Server(arguments, directory / "server.log")
     try:
         server.wait_ready()
