@@ -17,7 +17,7 @@ import pytest
 import reference
 import tiny
 import torch
-from test_steering import STEPS, engine_args, tokens_and_logprobs
+from test_steering import STEPS, held_saes, steered_engine, tokens_and_logprobs
 from vllm import SamplingParams
 
 from nnterp_vllm import (
@@ -28,7 +28,6 @@ from nnterp_vllm import (
     Probe,
     Recovered,
     StandardizedTransformer,
-    SteeredVLLM,
     Steering,
     patch_sweep,
 )
@@ -43,10 +42,10 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def steered(path):
-    llm = SteeredVLLM(
-        path, capture_values=["layers.*.layer_output", "layers.*.attention_output"], **engine_args("llama")
-    )
+def steered(path, tmp_path_factory):
+    """The steering tests' engine (`steered_engine`): it keeps every patched value at every block."""
+    _, saes = held_saes(tmp_path_factory.mktemp("saes"), tiny.SIZES["hidden_size"])
+    llm = steered_engine(path, saes["topk"], "llama")
     yield llm
     llm.shutdown()
 
@@ -350,10 +349,6 @@ def test_recovered_and_logprob_sweeps_and_the_heat_map(path, steered, tmp_path):
         ({"metric": Logprob(3), "value": "logits"}, "value must be one of"),
         ({"metric": Logprob(3), "layers": [7]}, r"layer\(s\) \[7\] do not exist"),
         ({"metric": Logprob(3), "positions": [99]}, r"position\(s\) \[99\] are outside"),
-        (
-            {"metric": Logprob(3), "value": "mlp_output"},
-            r"this engine keeps none of them: build it with capture_values",
-        ),
     ],
 )
 def test_bad_sweeps_are_refused_before_any_run(steered, arguments, message):

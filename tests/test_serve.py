@@ -62,8 +62,16 @@ from nnterp_vllm.serve.server import PROBES, STEERING_ROUTES, with_probes
 SERVE = str(Path(sys.executable).with_name("nnterp-vllm"))
 MODEL = "tiny"
 STEPS = 12
-#: Engine arguments of the server and of the in-process engine that computes what it must answer.
-ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 32 * 2**20}
+#: Engine arguments of the server and of the in-process engine that computes what it must answer. The step sizes are
+#: vLLM's own for an in-process engine on CPU, given to the server too (whose defaults are smaller): an engine and a
+#: server built alike compile one graph between them (the second finds it in the compile cache).
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "kv_cache_memory_bytes": 32 * 2**20,
+    "max_num_batched_tokens": 4096,
+    "max_num_seqs": 256,
+}
 #: The server's steering pool: room for this many distinct block contents at once.
 POOL_ENTRIES = 8
 GREEDY = {"max_tokens": STEPS, "temperature": 0.0}
@@ -373,7 +381,9 @@ def served(tmp_path_factory):
         traced = trace_experiment(local)
     finally:
         local.shutdown()
-    llm = SteeredVLLM(path, capture_values=KEPT, saes=list(saes.values()), **ENGINE)
+    llm = SteeredVLLM(
+        path, capture_values=KEPT, saes=list(saes.values()), max_steering_entries=POOL_ENTRIES, **ENGINE
+    )
     hidden_size = llm.hidden_size
     found = vectors(hidden_size)
     per_layer = {layer: found["inline"] * (layer + 1) / 3 for layer in (0, 2)}

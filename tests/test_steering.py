@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import nnsight
@@ -314,6 +315,25 @@ SAES = {
 }
 
 
+def held_saes(directory: Path, hidden_size: int) -> tuple[dict, dict]:
+    """SAELens's SAEs of `SAES` saved in ``directory``, and ours loaded from them, by kind."""
+    cfg = {"topk": {"k": 8, "rescale_acts_by_decoder_norm": True}}
+    saelens = {
+        kind: reference.saelens_sae(
+            directory / kind, kind, hook, hidden_size, seed=3, stream_scale=STREAM_SCALE, **cfg.get(kind, {})
+        )
+        for kind, hook in SAES.items()
+    }
+    return saelens, {kind: SAE.load(directory / kind) for kind in SAES}
+
+
+def steered_engine(path: Path, topk: SAE, model_type: str) -> SteeredVLLM:
+    """The steered engine of these tests (every stream value kept, the TopK SAE of `held_saes` held, the small
+    engine of `engine_args`). Other modules build theirs with it too: built alike, the engines compile one graph
+    between them (each later one finds it in the compile cache)."""
+    return SteeredVLLM(path, capture_values=KEPT, saes=[topk], **engine_args(model_type))
+
+
 @pytest.fixture(scope="class", params=["llama", "gpt2"])
 def family(request, tmp_path_factory):
     """References on plain vLLM, the nnsight path and transformers, then the steered engine (shut down after),
@@ -321,15 +341,7 @@ def family(request, tmp_path_factory):
     model_type = request.param
     path = tiny.checkpoint(model_type)
     hf = StandardizedTransformer(path)
-    directory = tmp_path_factory.mktemp(f"saes-{model_type}")
-    cfg = {"topk": {"k": 8, "rescale_acts_by_decoder_norm": True}}
-    saelens = {
-        kind: reference.saelens_sae(
-            directory / kind, kind, hook, hf.hidden_size, seed=3, stream_scale=STREAM_SCALE, **cfg.get(kind, {})
-        )
-        for kind, hook in SAES.items()
-    }
-    saes = {kind: SAE.load(directory / kind) for kind in SAES}
+    saelens, saes = held_saes(tmp_path_factory.mktemp(f"saes-{model_type}"), hf.hidden_size)
     batch = cases(hf.hidden_size, saes)
     prompts = [prompt for prompt, _ in batch]
 
@@ -360,7 +372,7 @@ def family(request, tmp_path_factory):
     finally:
         nnsight_model.shutdown()
 
-    model = SteeredVLLM(path, capture_values=KEPT, saes=[saes["topk"]], **engine_args(model_type))
+    model = steered_engine(path, saes["topk"], model_type)
     try:
         yield SimpleNamespace(
             model_type=model_type,

@@ -14,9 +14,21 @@ import pytest
 import reference
 import tiny
 import torch
+from test_experiments import CLEAN, CORRUPT
 from vllm import SamplingParams
 
-from nnterp_vllm import SAE, Ablate, Cap, Clamp, StandardizedTransformer, SteeredVLLM, Steering, sweep
+from nnterp_vllm import (
+    SAE,
+    Ablate,
+    Cap,
+    Clamp,
+    Logprob,
+    StandardizedTransformer,
+    SteeredVLLM,
+    Steering,
+    patch_sweep,
+    sweep,
+)
 from nnterp_vllm.display import plot_sweep_scores
 from nnterp_vllm.steering.sweeps import COLUMNS, read_grid, scoring_positions
 
@@ -210,6 +222,13 @@ def test_a_bad_grid_is_refused_before_the_engine_sees_it(engine, vectors, change
     requests = engine.request_counter.counter
     with pytest.raises(ValueError, match=message):
         sweep(engine, sampling_params=SamplingParams(**GREEDY), **arguments)
+    assert engine.request_counter.counter == requests
+
+
+def test_a_patch_sweep_of_a_value_the_engine_does_not_keep_is_refused_before_any_run(engine):
+    requests = engine.request_counter.counter
+    with pytest.raises(ValueError, match=r"this engine keeps none of them: build it with capture_values"):
+        patch_sweep(engine, CLEAN, CORRUPT, metric=Logprob(3), value="mlp_output")
     assert engine.request_counter.counter == requests
 
 
