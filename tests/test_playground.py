@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import httpx
@@ -76,8 +77,9 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(served):
-    """Headless chromium, signed in to the playground with the server's key."""
+def browser(served, tmp_path_factory):
+    """Headless chromium, signed in to the playground with the server's key. Its temporary files (the profile's
+    lock socket, which chromium leaves behind) go in a directory of its own, removed after."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -85,11 +87,14 @@ def browser(served):
     options.binary_location = BROWSER
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1100"):
         options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
+    temporary = tmp_path_factory.mktemp("chromium")
+    service = Service(executable_path=DRIVER, env={**os.environ, "TMPDIR": str(temporary)})
+    driver = webdriver.Chrome(options=options, service=service)
     try:
         yield driver
     finally:
         driver.quit()
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def sign_in(driver, key: str) -> None:
