@@ -381,9 +381,7 @@ def served(tmp_path_factory):
         traced = trace_experiment(local)
     finally:
         local.shutdown()
-    llm = SteeredVLLM(
-        path, capture_values=KEPT, saes=list(saes.values()), max_steering_entries=POOL_ENTRIES, **ENGINE
-    )
+    llm = SteeredVLLM(path, capture_values=KEPT, saes=list(saes.values()), max_steering_entries=POOL_ENTRIES, **ENGINE)
     hidden_size = llm.hidden_size
     found = vectors(hidden_size)
     per_layer = {layer: found["inline"] * (layer + 1) / 3 for layer in (0, 2)}
