@@ -4,7 +4,8 @@ vLLM inspects a model class it has no cached info for in a fresh interpreter of 
 machine that never ran the suite, that is 10 s for each of the 70-odd architectures the tests load. Run as a
 script, this inspects them all after one import of vLLM, with vLLM's own inspection, hash and cache file, so an
 engine finds its entry as if vLLM had written it. An architecture that does not import here is left for vLLM to
-inspect itself. `cache_filled()` says whether this vLLM and transformers already filled the cache.
+inspect itself. `ensure_filled()` runs the script unless `filled_marker()` shows this vLLM and transformers already
+filled the cache.
 """
 
 from __future__ import annotations
